@@ -1,0 +1,510 @@
+"""Benchmark loaders: the four evaluation protocols and their splits, from the packaged data files.
+
+Protocols are kept apart: each names its own files, splits, metric and input fields.
+
+``gsm8k-dspy`` (DSPy's GSM8K protocol)
+    ``train`` 200 and ``val`` 300 are ``[:200]`` and ``[200:500]`` of the official train set after
+    DSPy's own shuffle (``random.Random(0).shuffle``, exactly as ``dspy.datasets.gsm8k.GSM8K`` does it),
+    so they are the examples DSPy's ``GSM8K().train`` / ``.dev`` hold. ``test`` is the official test
+    set (1319, the report split), in DSPy's ``GSM8K().test`` order (the same seed-0 shuffle).
+    ``train_all`` is the whole official train set (7473) in file order. Metric ``gsm8k``.
+``gsm8k-aflow`` (AFlow's GSM8K protocol)
+    ``val`` is AFlow's validate split (264, the search split) and ``test`` its test split (1055,
+    the report split); together they are the official test set. Metric ``gsm8k_aflow``.
+``hotpotqa-aflow`` (AFlow's HotpotQA protocol, distractor setting)
+    ``val`` is AFlow's validate split (200), ``test`` its test split (800, the report split). Inputs
+    are ``question`` and ``context``: the record's paragraphs (normally 10, two of them gold), each
+    rendered as ``"Title: sentence sentence ..."``. Metric ``hotpot_f1`` (``hotpot_em`` also reported).
+``hotpotqa-closedbook`` (open-domain / closed-book HotpotQA)
+    The official dev questions (7405) without context. There is no other HotpotQA data here (the
+    official train set is not shipped), so the train and search examples are taken from dev itself:
+    a fixed partition, made by shuffling the dev positions with ``random.Random(20180925)`` and taking
+    the first 200 as ``train``, the next 300 as ``val`` and the remaining 6905 as ``test``, the report
+    split. ``train``/``val`` never overlap ``test``. ``dev`` is all 7405 questions; it overlaps
+    ``train``/``val``, so use it only for programs not compiled on this protocol (e.g. a zero-shot
+    baseline compared with published full-dev numbers). The AFlow distractor-1000 records are not
+    used as train data because they are dev questions too. Each split is in dev-file order. Metric
+    ``hotpot_em`` (``hotpot_f1`` also reported).
+
+Examples are :class:`dspy.Example` objects with the protocol's input fields set and these fields:
+GSM8K: ``id``, ``question``, ``answer`` (the final number with thousands commas removed, e.g.
+``"1200"`` for ``#### 1,200``), ``solution`` (the worked solution before the ``#### `` line, with its
+``<<calc>>`` annotations). HotpotQA: ``id`` (the official ``_id``; closed-book: ``hotpot-dev-<n>``),
+``question``, ``answer``, ``type``, and for ``hotpotqa-aflow`` also ``context``, ``supporting_facts``
+and ``level``; closed-book examples carry ``dev_index`` (their 0-based position in the dev file).
+
+Every data file is checked against the SHA-256 in the packaged ``data/SHA256SUMS`` the first time a
+process reads it (again only if its size or modification time changes); a mismatch raises
+:class:`flowopt.errors.DataError`. ``FLOWOPT_DATA_DIR`` points the loaders at another copy of the
+data folder; the expected checksums still come from the package.
+
+Example:
+    >>> from flowopt.benchmarks.datasets import get_protocol, load_split
+    >>> proto = get_protocol("gsm8k-aflow")
+    >>> proto.report_split, proto.metric
+    ('test', 'gsm8k_aflow')
+    >>> dev = load_split("gsm8k-aflow", "val", limit=3, seed=0)
+    >>> len(dev), sorted(dev[0].inputs().keys())
+    (3, ['question'])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from flowopt.errors import ConfigError, DataError
+
+from .metrics import Metric, get_metric
+
+if TYPE_CHECKING:
+    import dspy
+
+__all__ = [
+    "CHECKSUMS_FILE",
+    "DATA_DIR_ENV",
+    "PROTOCOLS",
+    "Protocol",
+    "data_dir",
+    "get_protocol",
+    "list_protocols",
+    "load_split",
+    "verify_file",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable that overrides the data folder.
+DATA_DIR_ENV = "FLOWOPT_DATA_DIR"
+#: Name of the checksum file (``sha256sum`` format) inside the packaged data folder.
+CHECKSUMS_FILE = "SHA256SUMS"
+_PACKAGED_DATA = Path(__file__).resolve().parent / "data"
+
+# The closed-book partition of the dev set (see the module docstring). Changing these changes the splits.
+_CLOSEDBOOK_SEED = 20180925
+_CLOSEDBOOK_TRAIN = 200
+_CLOSEDBOOK_VAL = 300
+# DSPy's GSM8K loader: random.Random(0).shuffle of the official train and test lists.
+_DSPY_GSM8K_SEED = 0
+
+
+# ----------------------------------------------------------------------------------------- files
+
+
+def data_dir() -> Path:
+    """The data folder: ``$FLOWOPT_DATA_DIR`` if set, else the one shipped in the package.
+
+    Example:
+        >>> data_dir().name
+        'data'
+    """
+    override = os.environ.get(DATA_DIR_ENV)
+    return Path(override).expanduser().resolve() if override else _PACKAGED_DATA
+
+
+@lru_cache(maxsize=1)
+def _expected_checksums() -> Mapping[str, str]:
+    path = _PACKAGED_DATA / CHECKSUMS_FILE
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise DataError(
+            f"the benchmark checksum file {path} cannot be read ({err})",
+            fix="reinstall flowopt so that its package data (flowopt/benchmarks/data) is present",
+        ) from err
+    sums: dict[str, str] = {}
+    for line in lines:
+        if line.strip():
+            digest, name = line.split(maxsplit=1)
+            sums[name.strip().lstrip("*")] = digest.lower()
+    return MappingProxyType(sums)
+
+
+_verified: dict[Path, tuple[int, int]] = {}
+_verify_lock = threading.Lock()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_file(relpath: str) -> Path:
+    """Path of the data file ``relpath`` (e.g. ``"gsm8k/test.jsonl"``) after checking its SHA-256.
+
+    The check runs once per file per process (again if the file's size or mtime changes).
+
+    Raises:
+        DataError: the file is missing, not listed in ``SHA256SUMS``, or its checksum differs.
+
+    Example:
+        >>> verify_file("gsm8k/test.jsonl").name
+        'test.jsonl'
+    """
+    expected = _expected_checksums().get(relpath)
+    if expected is None:
+        raise DataError(
+            f"benchmark data file {relpath!r} has no checksum in {_PACKAGED_DATA / CHECKSUMS_FILE}",
+            fix="add its sha256 to SHA256SUMS (see benchmarks/data/README.md) before reading it",
+        )
+    path = data_dir() / relpath
+    try:
+        stat = path.stat()
+    except OSError as err:
+        raise DataError(
+            f"benchmark data file {path} is missing ({err.strerror})",
+            fix=f"reinstall flowopt, or point {DATA_DIR_ENV} at a complete copy of flowopt/benchmarks/data "
+            f"(currently {os.environ.get(DATA_DIR_ENV) or 'unset'})",
+        ) from err
+    key = (stat.st_size, stat.st_mtime_ns)
+    with _verify_lock:
+        if _verified.get(path) == key:
+            return path
+        actual = _sha256(path)
+        if actual != expected:
+            raise DataError(
+                f"benchmark data file {path} fails its checksum: expected sha256 {expected}, got {actual}",
+                fix="restore the original file (reinstall flowopt, or in a source checkout run "
+                f"`git checkout benchmarks/data/{relpath}`), or unset {DATA_DIR_ENV} if it points at "
+                "a modified copy",
+            )
+        _verified[path] = key
+    logger.debug("verified %s (sha256 %s)", path, actual)
+    return path
+
+
+def _read_jsonl(relpath: str) -> list[dict[str, Any]]:
+    path = verify_file(relpath)
+    records = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise DataError(
+                    f"{path}:{lineno} is not valid JSON ({err.msg})",
+                    fix="restore the original data file",
+                ) from err
+    return records
+
+
+# ------------------------------------------------------------------------------------- records
+
+
+def _gsm8k_final(answer: str) -> str:
+    return answer.strip().replace(",", "")
+
+
+def _gsm8k_official(which: str) -> list[dict[str, Any]]:
+    records = []
+    for n, rec in enumerate(_read_jsonl(f"gsm8k/{which}.jsonl")):
+        solution, sep, final = rec["answer"].rpartition("\n#### ")
+        if not sep:
+            raise DataError(
+                f"gsm8k/{which}.jsonl record {n} has no '#### <answer>' line",
+                fix="restore the original data file",
+            )
+        records.append({"id": f"gsm8k-{which}-{n}", "question": rec["question"],
+                        "answer": _gsm8k_final(final), "solution": solution})
+    return records
+
+
+def _dspy_shuffled(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    shuffled = list(records)
+    random.Random(_DSPY_GSM8K_SEED).shuffle(shuffled)
+    return shuffled
+
+
+def _load_gsm8k_dspy(split: str) -> list[dict[str, Any]]:
+    if split == "test":
+        return _dspy_shuffled(_gsm8k_official("test"))
+    train = _gsm8k_official("train")
+    if split == "train_all":
+        return train
+    shuffled = _dspy_shuffled(train)
+    return shuffled[:200] if split == "train" else shuffled[200:500]
+
+
+def _load_gsm8k_aflow(split: str) -> list[dict[str, Any]]:
+    name = "validate" if split == "val" else "test"
+    return [
+        {"id": rec["id"], "question": rec["question"], "answer": _gsm8k_final(rec["answer"]),
+         "solution": rec["cot"]}
+        for rec in _read_jsonl(f"aflow_splits/gsm8k_{name}.jsonl")
+    ]
+
+
+def render_paragraph(title: str, sentences: list[str]) -> str:
+    """One HotpotQA context paragraph as ``"Title: sentence sentence ..."``.
+
+    Example:
+        >>> render_paragraph("Ed Wood", ["Edward Wood was a filmmaker.", " He was American."])
+        'Ed Wood: Edward Wood was a filmmaker. He was American.'
+    """
+    body = " ".join(s.strip() for s in sentences if s.strip())
+    return f"{title}: {body}"
+
+
+def _official_hotpot_ids() -> dict[tuple[str, str], str]:
+    return {(r["question"], r["answer"]): r["_id"] for r in _read_jsonl("hotpotqa/dev_distractor_1000.jsonl")}
+
+
+def _load_hotpotqa_aflow(split: str) -> list[dict[str, Any]]:
+    name = "validate" if split == "val" else "test"
+    raw = _read_jsonl(f"aflow_splits/hotpotqa_{name}.jsonl")
+    # AFlow's copy has 19 integer _ids (the dev position); the distractor-1000 file has the official ids.
+    official = _official_hotpot_ids() if any(not isinstance(r["_id"], str) for r in raw) else {}
+    records = []
+    for rec in raw:
+        rid = rec["_id"] if isinstance(rec["_id"], str) else official[(rec["question"], rec["answer"])]
+        records.append({
+            "id": rid,
+            "question": rec["question"],
+            "answer": rec["answer"],
+            "context": tuple(render_paragraph(title, sents) for title, sents in rec["context"]),
+            "supporting_facts": tuple((title, idx) for title, idx in rec["supporting_facts"]),
+            "type": rec["type"],
+            "level": rec["level"],
+        })
+    return records
+
+
+def _closedbook_partition(n: int) -> dict[str, list[int]]:
+    order = list(range(n))
+    random.Random(_CLOSEDBOOK_SEED).shuffle(order)
+    cut = _CLOSEDBOOK_TRAIN + _CLOSEDBOOK_VAL
+    return {
+        "train": sorted(order[:_CLOSEDBOOK_TRAIN]),
+        "val": sorted(order[_CLOSEDBOOK_TRAIN:cut]),
+        "test": sorted(order[cut:]),
+        "dev": list(range(n)),
+    }
+
+
+def _load_hotpotqa_closedbook(split: str) -> list[dict[str, Any]]:
+    dev = [
+        {"id": f"hotpot-dev-{n}", "dev_index": n, "question": rec["question"], "answer": rec["answer"],
+         "type": rec["type"]}
+        for n, rec in enumerate(_read_jsonl("hotpotqa/dev_simplified_react.jsonl"))
+    ]
+    return [dev[i] for i in _closedbook_partition(len(dev))[split]]
+
+
+# ------------------------------------------------------------------------------------ protocols
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """One evaluation protocol: its data splits, which split is for what, and how it is scored.
+
+    Attributes:
+        name: registry name, e.g. ``"gsm8k-dspy"``.
+        description: one line for ``flowopt bench --list``.
+        train_split: split to draw demos / training examples from.
+        search_split: split that compilers score candidates on (may equal ``train_split``).
+        report_split: split whose score is reported; never overlaps ``train_split`` or ``search_split``.
+        metric: name of the main metric in :data:`flowopt.benchmarks.metrics.METRICS`.
+        input_fields: the example fields that are program inputs.
+        splits: every split name and its exact size.
+        extra_metrics: further metrics reported next to ``metric``.
+
+    Example:
+        >>> proto = get_protocol("hotpotqa-aflow")
+        >>> proto.input_fields, proto.splits["test"]
+        (('question', 'context'), 800)
+        >>> examples = proto.load("val", limit=2)
+        >>> proto.metric_fn()(examples[0], examples[0])
+        1.0
+    """
+
+    name: str
+    description: str
+    train_split: str
+    search_split: str
+    report_split: str
+    metric: str
+    input_fields: tuple[str, ...]
+    splits: Mapping[str, int]
+    extra_metrics: tuple[str, ...] = ()
+    _loader: Callable[[str], list[dict[str, Any]]] = field(
+        default=lambda split: [], repr=False, compare=False
+    )
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def metric_fn(self) -> Metric:
+        """The main metric function, ``(example, pred, trace=None) -> float``."""
+        return get_metric(self.metric)
+
+    def metric_fns(self) -> dict[str, Metric]:
+        """The main and extra metrics by name, main first."""
+        return {name: get_metric(name) for name in (self.metric, *self.extra_metrics)}
+
+    def load(self, split: str, limit: int | None = None, seed: int | None = 0) -> list[dspy.Example]:
+        """Shorthand for :func:`load_split` on this protocol."""
+        return load_split(self, split, limit=limit, seed=seed)
+
+
+PROTOCOLS: Mapping[str, Protocol] = MappingProxyType({
+    p.name: p
+    for p in (
+        Protocol(
+            name="gsm8k-dspy",
+            description="GSM8K as DSPy measures it: 200 train / 300 val from the official train set, "
+            "report on the official test set (1319); last number equals the gold number",
+            train_split="train", search_split="val", report_split="test", metric="gsm8k",
+            input_fields=("question",),
+            splits=MappingProxyType({"train": 200, "val": 300, "test": 1319, "train_all": 7473}),
+            _loader=_load_gsm8k_dspy,
+        ),
+        Protocol(
+            name="gsm8k-aflow",
+            description="GSM8K as AFlow measures it: search on AFlow validate (264), report on AFlow "
+            "test (1055); last number within 1e-6",
+            train_split="val", search_split="val", report_split="test", metric="gsm8k_aflow",
+            input_fields=("question",),
+            splits=MappingProxyType({"val": 264, "test": 1055}),
+            _loader=_load_gsm8k_aflow,
+        ),
+        Protocol(
+            name="hotpotqa-aflow",
+            description="HotpotQA distractor setting as AFlow measures it: context paragraphs given, "
+            "search on AFlow validate (200), report on AFlow test (800); answer F1 (and EM)",
+            train_split="val", search_split="val", report_split="test", metric="hotpot_f1",
+            input_fields=("question", "context"),
+            splits=MappingProxyType({"val": 200, "test": 800}),
+            extra_metrics=("hotpot_em",),
+            _loader=_load_hotpotqa_aflow,
+        ),
+        Protocol(
+            name="hotpotqa-closedbook",
+            description="HotpotQA dev questions with no context: 200 train / 300 val taken from dev, "
+            "report on the other 6905 dev questions; answer EM (and F1)",
+            train_split="train", search_split="val", report_split="test", metric="hotpot_em",
+            input_fields=("question",),
+            splits=MappingProxyType({"train": 200, "val": 300, "test": 6905, "dev": 7405}),
+            extra_metrics=("hotpot_f1",),
+            _loader=_load_hotpotqa_closedbook,
+        ),
+    )
+})
+
+
+def list_protocols() -> list[str]:
+    """Names of all protocols, sorted.
+
+    Example:
+        >>> list_protocols()
+        ['gsm8k-aflow', 'gsm8k-dspy', 'hotpotqa-aflow', 'hotpotqa-closedbook']
+    """
+    return sorted(PROTOCOLS)
+
+
+def get_protocol(name: str | Protocol) -> Protocol:
+    """The protocol registered as ``name`` (a :class:`Protocol` is returned unchanged).
+
+    Raises:
+        ConfigError: no such protocol.
+
+    Example:
+        >>> get_protocol("gsm8k-dspy").splits["test"]
+        1319
+    """
+    if isinstance(name, Protocol):
+        return name
+    try:
+        return PROTOCOLS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown benchmark protocol {name!r}", fix=f"use one of: {', '.join(list_protocols())}"
+        ) from None
+
+
+_records_cache: dict[tuple[str, str, str], tuple[dict[str, Any], ...]] = {}
+_records_lock = threading.Lock()
+
+
+def _split_records(proto: Protocol, split: str) -> tuple[dict[str, Any], ...]:
+    root = str(data_dir())
+    key = (proto.name, split, root)
+    with _records_lock:
+        cached = _records_cache.get(key)
+    if cached is not None and PROTOCOLS.get(proto.name) is proto:
+        return cached
+    records = proto._loader(split)
+    if len(records) != proto.splits[split]:
+        raise DataError(
+            f"{proto.name} split {split!r} has {len(records)} examples, expected {proto.splits[split]} "
+            f"(data in {root})",
+            fix="restore the original data files",
+        )
+    logger.info("loaded %s/%s: %d examples from %s", proto.name, split, len(records), root)
+    frozen = tuple(records)
+    if PROTOCOLS.get(proto.name) is proto:
+        with _records_lock:
+            _records_cache[key] = frozen
+    return frozen
+
+
+def _example(record: Mapping[str, Any], input_fields: tuple[str, ...]) -> dspy.Example:
+    import dspy
+
+    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in record.items()}
+    return dspy.Example(**fields).with_inputs(*input_fields)
+
+
+def load_split(
+    protocol: str | Protocol, split: str, limit: int | None = None, seed: int | None = 0
+) -> list[dspy.Example]:
+    """Examples of one split of a protocol, as fresh :class:`dspy.Example` objects.
+
+    Args:
+        protocol: a protocol name (see :func:`list_protocols`) or a :class:`Protocol`.
+        split: one of ``get_protocol(protocol).splits``.
+        limit: keep only this many examples. ``None`` keeps the whole split.
+        seed: with ``limit``, which examples: a ``random.Random(seed)`` sample, returned in split
+            order; a smaller ``limit`` with the same seed gives a subset of a larger one. ``None``
+            takes the first ``limit`` examples. Ignored without ``limit``.
+
+    Raises:
+        ConfigError: unknown protocol or split, or a negative limit.
+        DataError: a data file is missing, malformed or fails its checksum.
+
+    Example:
+        >>> train = load_split("gsm8k-dspy", "train", limit=5, seed=1)
+        >>> len(train), train[0].answer.isdigit(), "solution" in train[0]
+        (5, True, True)
+    """
+    proto = get_protocol(protocol)
+    if split not in proto.splits:
+        raise ConfigError(
+            f"protocol {proto.name!r} has no split {split!r}", fix=f"use one of: {', '.join(proto.splits)}"
+        )
+    if limit is not None and limit < 0:
+        raise ConfigError(f"limit must be >= 0, got {limit}", fix="pass limit=None for the whole split")
+    records = _split_records(proto, split)
+    indices = range(len(records))
+    if limit is not None and limit < len(records):
+        if seed is None:
+            indices = range(limit)
+        else:
+            order = list(indices)
+            random.Random(seed).shuffle(order)
+            indices = sorted(order[:limit])
+    return [_example(records[i], proto.input_fields) for i in indices]
