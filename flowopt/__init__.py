@@ -1,0 +1,49 @@
+"""flowopt: a compiler for LLM programs.
+
+Declare a workflow (typed operators wired as a graph), run it as a DSPy module, save it as one JSON
+document, and compile it with ``flowopt.compile(program, trainset, metric)``.
+"""
+
+from flowopt.errors import (
+    BudgetExhausted,
+    ConfigError,
+    DataError,
+    FlowoptError,
+    LMError,
+    MetricError,
+    SandboxError,
+    SchemaError,
+    UnknownOperatorError,
+    WorkflowError,
+)
+from flowopt.ir import load
+from flowopt.operator import Operator
+from flowopt.registry import get_operator, operator_names, register_operator
+from flowopt.signature import FieldSpec, SignatureSpec
+from flowopt.workflow import INPUT, OUTPUT, Workflow, chain
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "INPUT",
+    "OUTPUT",
+    "BudgetExhausted",
+    "ConfigError",
+    "DataError",
+    "FieldSpec",
+    "FlowoptError",
+    "LMError",
+    "MetricError",
+    "Operator",
+    "SandboxError",
+    "SchemaError",
+    "SignatureSpec",
+    "UnknownOperatorError",
+    "Workflow",
+    "WorkflowError",
+    "chain",
+    "get_operator",
+    "load",
+    "operator_names",
+    "register_operator",
+]

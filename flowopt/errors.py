@@ -1,0 +1,83 @@
+"""flowopt's exceptions: one base class, messages that name the problem and the fix.
+
+Every error a user can cause (bad IR, bad settings, bad data, an exhausted budget) is a
+:class:`FlowoptError`, so ``except flowopt.FlowoptError`` catches all of them.
+"""
+
+from __future__ import annotations
+
+
+class FlowoptError(Exception):
+    """Base class of every flowopt error.
+
+    The message always says what is wrong, where (node, field, setting) and how to fix it.
+
+    Example:
+        >>> try:
+        ...     raise ConfigError("max_rounds must be >= 1, got 0", fix="pass max_rounds=1 or more")
+        ... except FlowoptError as err:
+        ...     print(err)
+        max_rounds must be >= 1, got 0. Fix: pass max_rounds=1 or more
+    """
+
+    def __init__(self, problem: str, *, fix: str | None = None) -> None:
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{problem}. Fix: {fix}" if fix else problem)
+
+
+class WorkflowError(FlowoptError):
+    """A workflow graph is invalid: names the node and the field involved."""
+
+    def __init__(self, problem: str, *, node: str | None = None, field: str | None = None,
+                 fix: str | None = None) -> None:
+        self.node = node
+        self.field = field
+        where = []
+        if node is not None:
+            where.append(f"node '{node}'")
+        if field is not None:
+            where.append(f"field '{field}'")
+        prefix = f"{', '.join(where)}: " if where else ""
+        super().__init__(f"{prefix}{problem}", fix=fix)
+
+
+class SchemaError(WorkflowError):
+    """A workflow JSON document is malformed or of an unsupported schema version."""
+
+
+class UnknownOperatorError(WorkflowError):
+    """A node names an operator that is not registered."""
+
+
+class ConfigError(FlowoptError):
+    """A setting (stage, budget, operator, LM) has a bad value."""
+
+
+class DataError(FlowoptError):
+    """A dataset, example or benchmark file is missing, malformed or fails its checksum."""
+
+
+class MetricError(FlowoptError):
+    """The user's metric raised or returned something that is not a number."""
+
+
+class BudgetExhausted(FlowoptError):
+    """The shared compile budget ran out; ``limit`` names which one (e.g. ``max_lm_calls``)."""
+
+    def __init__(self, limit: str, *, used: float, allowed: float) -> None:
+        self.limit = limit
+        self.used = used
+        self.allowed = allowed
+        super().__init__(
+            f"budget exhausted: {limit} used {used:g} of {allowed:g}",
+            fix=f"raise Budget({limit}=...) or resume later with resume=True",
+        )
+
+
+class SandboxError(FlowoptError):
+    """Generated code failed in, or was stopped by, the Programmer sandbox."""
+
+
+class LMError(FlowoptError):
+    """A language model could not be loaded or called."""

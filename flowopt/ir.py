@@ -1,0 +1,185 @@
+"""The workflow JSON IR (``flowopt.workflow/v1``): to and from plain data, with full validation.
+
+Loading only reads data: operators are looked up by name in the registry, types in a fixed table,
+LMs are described by model name and settings. Nothing is unpickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flowopt.errors import SchemaError, WorkflowError
+from flowopt.lm_spec import lm_to_spec
+from flowopt.registry import get_operator
+from flowopt.signature import FieldSpec, SignatureSpec
+from flowopt.workflow import INPUT, OUTPUT, Workflow
+
+SCHEMA = "flowopt.workflow/v1"
+_TOP_KEYS = {"schema", "name", "inputs", "outputs", "nodes", "edges", "lms", "weights", "meta"}
+_NODE_KEYS = {"id", "op", "signature", "config", "lm", "predictors"}
+
+
+def dumps(data: Any, *, indent: int | None = 2, sort_keys: bool = False) -> str:
+    try:
+        return json.dumps(data, indent=indent, sort_keys=sort_keys, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise SchemaError(f"the workflow holds a value JSON cannot store ({err})",
+                          fix="keep settings, demos and meta to plain JSON values") from err
+
+
+def loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SchemaError(f"not valid JSON ({err})", fix="pass a file written by Workflow.save") from err
+
+
+def workflow_to_dict(wf: Workflow) -> dict[str, Any]:
+    from flowopt import __version__
+
+    nodes = []
+    for node_id, op in wf.nodes.items():
+        nodes.append({
+            "id": node_id,
+            "op": type(op).op_name,
+            "signature": op.spec.to_dict(),
+            "config": op.config(),
+            "lm": wf.node_lms.get(node_id),
+            "predictors": op.predictor_state(),
+        })
+    edges = [{"src": u, "dst": v, "map": dict(m)} for u, v, m in wf.edges()]
+    lms = {name: (dict(lm) if isinstance(lm, Mapping) else lm_to_spec(lm)) for name, lm in wf.lms.items()}
+    import dspy
+
+    meta = {"flowopt": __version__, "dspy": dspy.__version__, **wf.meta}
+    return {
+        "schema": SCHEMA,
+        "name": wf.name,
+        "inputs": [f.to_dict() for f in wf.io.inputs],
+        "outputs": [f.to_dict() for f in wf.io.outputs],
+        "nodes": nodes,
+        "edges": edges,
+        "lms": lms,
+        "weights": dict(wf.weights),
+        "meta": meta,
+    }
+
+
+def _fields(data: Any, key: str) -> tuple[FieldSpec, ...]:
+    if not isinstance(data, list) or not data:
+        raise SchemaError(f"'{key}' must be a non-empty list of fields", field=key,
+                          fix=f'write "{key}": [{{"name": "question", "type": "str"}}]')
+    # A bare name is shorthand for a str field.
+    return tuple(FieldSpec.from_dict({"name": f} if isinstance(f, str) else f, node=f"${key[:-1]}")
+                 for f in data)
+
+
+def workflow_from_dict(data: Any) -> Workflow:
+    """Build and validate a :class:`Workflow` from IR data; every failure names node, field and fix."""
+    if not isinstance(data, Mapping):
+        raise SchemaError("a workflow document must be a JSON object", fix="pass a file written by Workflow.save")
+    schema = data.get("schema")
+    if schema != SCHEMA:
+        raise SchemaError(f"unsupported schema {schema!r}", field="schema",
+                          fix=f'this flowopt reads "{SCHEMA}"; re-export the workflow or upgrade flowopt')
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        raise SchemaError(f"unknown top-level keys {sorted(unknown)}", field=sorted(unknown)[0],
+                          fix=f"use only {sorted(_TOP_KEYS)}")
+    io = SignatureSpec("", _fields(data.get("inputs"), "inputs"), _fields(data.get("outputs"), "outputs"))
+    wf = Workflow(io, name=str(data.get("name", "workflow")))
+    wf.lms = {}
+    for name, spec in (data.get("lms") or {}).items():
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("model"), str):
+            raise SchemaError("an LM entry needs a 'model' string", node=f"lms.{name}", field="model",
+                              fix='write {"model": "openai/gpt-4o-mini"}')
+        wf.lms[name] = dict(spec)  # built lazily on first use
+    nodes = data.get("nodes")
+    if not isinstance(nodes, list):
+        raise SchemaError("'nodes' must be a list", field="nodes", fix="write \"nodes\": [...]")
+    for raw in nodes:
+        _add_node(wf, raw)
+    edges = data.get("edges")
+    if not isinstance(edges, list):
+        raise SchemaError("'edges' must be a list", field="edges", fix="write \"edges\": [...]")
+    for raw in edges:
+        if not isinstance(raw, Mapping) or not {"src", "dst", "map"} <= set(raw):
+            raise SchemaError(f"an edge needs 'src', 'dst' and 'map', got {raw!r}", field="edges",
+                              fix='write {"src": "$input", "dst": "solve", "map": {"question": "question"}}')
+        src, dst, mapping = raw["src"], raw["dst"], raw["map"]
+        for end in (src, dst):
+            if end not in wf.nodes and end not in (INPUT, OUTPUT):
+                raise WorkflowError("an edge refers to a node that does not exist", node=str(end),
+                                    fix=f"declare it in 'nodes' or use one of {[INPUT, OUTPUT, *wf.nodes]}")
+        if not isinstance(mapping, Mapping) or not all(isinstance(v, str) for v in mapping.values()):
+            raise SchemaError(f"edge {src} -> {dst}: 'map' must map field names to field names",
+                              node=str(dst), fix='write "map": {"answer": "answer"}')
+        if wf.graph.has_edge(src, dst):
+            raise WorkflowError(f"edge {src} -> {dst} appears twice", node=str(dst),
+                                fix="merge the two maps into one edge")
+        wf.graph.add_edge(src, dst, map=dict(mapping))
+    wf._pinned_outputs = set(wf.io.output_names)  # a loaded graph keeps its wiring exactly
+    wf.weights = dict(data.get("weights") or {})
+    meta = dict(data.get("meta") or {})
+    meta.pop("flowopt", None)
+    meta.pop("dspy", None)
+    wf.meta = meta
+    wf.validate()
+    for node_id, lm_name in wf.node_lms.items():
+        if lm_name is not None and lm_name not in wf.lms:
+            raise WorkflowError(f"node uses LM {lm_name!r}, which 'lms' does not define", node=node_id,
+                                field="lm", fix=f"add {lm_name!r} to 'lms' or set the node's lm to null")
+    return wf
+
+
+def _add_node(wf: Workflow, raw: Any) -> None:
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("id"), str):
+        raise SchemaError(f"a node needs an 'id' string, got {raw!r}", field="nodes",
+                          fix='write {"id": "solve", "op": "Predict", "signature": {...}}')
+    node_id = raw["id"]
+    unknown = set(raw) - _NODE_KEYS
+    if unknown:
+        raise SchemaError(f"unknown node keys {sorted(unknown)}", node=node_id, field=sorted(unknown)[0],
+                          fix=f"use only {sorted(_NODE_KEYS)}")
+    if not isinstance(raw.get("op"), str):
+        raise SchemaError("a node needs an 'op' string", node=node_id, field="op",
+                          fix="name a registered operator, e.g. \"Predict\"")
+    op_cls = get_operator(raw["op"], node=node_id)
+    spec = SignatureSpec.from_dict(raw.get("signature"), node=node_id)
+    config = raw.get("config") or {}
+    if not isinstance(config, Mapping):
+        raise SchemaError("'config' must be an object", node=node_id, field="config", fix='write "config": {}')
+    op = op_cls.from_config(spec, dict(config), node=node_id)
+    declared = op.spec
+    if declared.input_names != spec.input_names or declared.output_names != spec.output_names:
+        raise WorkflowError(f"{raw['op']} with this config declares {declared.input_names} -> "
+                            f"{declared.output_names}, not the saved {spec.input_names} -> {spec.output_names}",
+                            node=node_id, field="signature", fix="re-export the workflow with flowopt")
+    op.load_predictor_state(raw.get("predictors") or {}, node=node_id)
+    wf._check_new_node(node_id, op)
+    lm = raw.get("lm")
+    if lm is not None and not isinstance(lm, str):
+        raise SchemaError("'lm' must be an LM name or null", node=node_id, field="lm",
+                          fix='write "lm": "default" or "lm": null')
+    wf.nodes[node_id] = op
+    wf.node_lms[node_id] = lm
+    wf.graph.add_node(node_id)
+
+
+def load(path: str | Path, *, lms: Mapping[str, Any] | None = None) -> Workflow:
+    """Load a workflow saved with :meth:`Workflow.save`; ``lms`` binds (or overrides) its LMs by name.
+
+    Example:
+        >>> import flowopt  # doctest: +SKIP
+        >>> wf = flowopt.load("qa.json", lms={"default": dspy.LM("openai/gpt-4o-mini")})  # doctest: +SKIP
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise SchemaError(f"no workflow file at {file}", fix="check the path, or save one with Workflow.save")
+    wf = workflow_from_dict(loads(file.read_text(encoding="utf-8")))
+    if lms:
+        wf.lms.update(lms)
+    return wf

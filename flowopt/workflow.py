@@ -1,0 +1,426 @@
+"""``Workflow``: a DSPy module whose structure is a typed graph of operators.
+
+The graph is a ``networkx.DiGraph`` over node ids plus two pseudo-nodes, ``$input`` (the program's
+inputs) and ``$output`` (its outputs). Each edge carries a ``map`` from the source's output fields to
+the target's input fields. Operators live in ``self.nodes`` (a dict), so DSPy finds their predictors
+and its optimizers run on a Workflow unchanged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import dspy
+import networkx as nx
+
+from flowopt.errors import WorkflowError
+from flowopt.operator import Operator
+from flowopt.signature import SignatureSpec, types_compatible
+
+INPUT = "$input"
+OUTPUT = "$output"
+PSEUDO_NODES = (INPUT, OUTPUT)
+
+
+class Workflow(dspy.Module):
+    """A typed graph of operators that runs as one ``dspy.Module``.
+
+    Inputs of a node that are not wired explicitly are taken, by name, from the latest node that
+    produces that field, else from the program's inputs. Program outputs come from the latest node
+    producing them unless pinned with :meth:`output`.
+
+    Example:
+        >>> from flowopt import Workflow
+        >>> from flowopt.modules import ChainOfThought, Predict
+        >>> wf = (Workflow("question -> answer", name="qa")
+        ...       .add("draft", Predict("question -> draft"))
+        ...       .add("final", ChainOfThought("question, draft -> answer")))
+        >>> wf.node_ids
+        ['draft', 'final']
+        >>> wf.sources("final")
+        {'question': ('$input', 'question'), 'draft': ('draft', 'draft')}
+    """
+
+    def __init__(self, signature: str | SignatureSpec = "question -> answer", *, name: str = "workflow",
+                 lms: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self.io = SignatureSpec.parse(signature)
+        if not self.io.inputs or not self.io.outputs:
+            raise WorkflowError(f"the program signature {signature!r} needs inputs and outputs",
+                                fix="write it as 'question -> answer'")
+        self.nodes: dict[str, Operator] = {}
+        self.node_lms: dict[str, str | None] = {}
+        self.graph = nx.DiGraph()
+        self.graph.add_nodes_from(PSEUDO_NODES)
+        self._pinned_outputs: set[str] = set()
+        self.lms: dict[str, Any] = dict(lms or {})
+        self.weights: dict[str, Any] = {}
+        self.meta: dict[str, Any] = {}
+        self._lm_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ building
+    @property
+    def node_ids(self) -> list[str]:
+        return list(self.nodes)
+
+    def add(self, node_id: str, op: Operator, *, inputs: Mapping[str, str] | None = None,
+            lm: str | None = None) -> Workflow:
+        """Add a node; ``inputs`` maps its input fields to ``"node.field"`` or ``"$input.field"``.
+
+        Returns ``self`` so that chains read as one expression.
+        """
+        self._check_new_node(node_id, op)
+        explicit = dict(inputs or {})
+        unknown = [f for f in explicit if op.spec.input(f) is None]
+        if unknown:
+            raise WorkflowError(f"inputs= names {unknown[0]!r}, which is not an input of the operator",
+                                node=node_id, field=unknown[0],
+                                fix=f"use one of its inputs {op.spec.input_names}")
+        wiring: list[tuple[str, str, str]] = []  # (src node, src field, dst field)
+        for field in op.spec.inputs:
+            if field.name in explicit:
+                src, src_field = self._parse_ref(explicit[field.name], node_id, field.name)
+            else:
+                src, src_field = self._default_source(field.name, node_id)
+            wiring.append((src, src_field, field.name))
+        self.nodes[node_id] = op
+        self.node_lms[node_id] = lm
+        self.graph.add_node(node_id)
+        for src, src_field, dst_field in wiring:
+            self._add_mapping(src, node_id, src_field, dst_field)
+        # Latest producer of a program output feeds it, unless the user pinned another source.
+        for field in op.spec.outputs:
+            if self.io.output(field.name) is not None and field.name not in self._pinned_outputs:
+                self._set_output_source(field.name, node_id, field.name)
+        try:
+            self.validate(require_complete=False)
+        except WorkflowError:
+            self.remove(node_id)
+            raise
+        return self
+
+    def output(self, **sources: str) -> Workflow:
+        """Pin program outputs to node fields: ``wf.output(answer="final.answer")``."""
+        for out_field, ref in sources.items():
+            if self.io.output(out_field) is None:
+                raise WorkflowError("not an output of the program", node=OUTPUT, field=out_field,
+                                    fix=f"use one of {self.io.output_names}")
+            src, src_field = self._parse_ref(ref, OUTPUT, out_field)
+            self._set_output_source(out_field, src, src_field)
+            self._pinned_outputs.add(out_field)
+        self.validate(require_complete=False)
+        return self
+
+    def connect(self, src: str, dst: str, mapping: Mapping[str, str]) -> Workflow:
+        """Low-level: add an edge ``src -> dst`` mapping ``{src_field: dst_field}``; validates."""
+        for src_field, dst_field in mapping.items():
+            self._add_mapping(src, dst, src_field, dst_field)
+        self.validate(require_complete=False)
+        return self
+
+    def remove(self, node_id: str) -> Workflow:
+        """Remove a node and its edges (the caller re-wires what it fed)."""
+        if node_id not in self.nodes:
+            raise WorkflowError("no such node", node=node_id, fix=f"use one of {self.node_ids}")
+        del self.nodes[node_id]
+        del self.node_lms[node_id]
+        self.graph.remove_node(node_id)
+        return self
+
+    def _check_new_node(self, node_id: str, op: Operator) -> None:
+        if not isinstance(node_id, str) or not node_id or node_id.startswith("$") or "." in node_id:
+            raise WorkflowError(f"invalid node id {node_id!r}", node=str(node_id),
+                                fix="use a non-empty name without '.' that does not start with '$'")
+        if node_id in self.nodes:
+            raise WorkflowError("duplicate node id", node=node_id, fix="give every node a distinct id")
+        if not isinstance(op, Operator):
+            raise WorkflowError(f"{type(op).__name__} is not a flowopt Operator", node=node_id,
+                                fix="use an operator from flowopt.modules or subclass flowopt.Operator")
+
+    def _parse_ref(self, ref: str, node_id: str, field: str) -> tuple[str, str]:
+        if not isinstance(ref, str) or "." not in ref:
+            raise WorkflowError(f"source {ref!r} is not of the form 'node.field'", node=node_id, field=field,
+                                fix="write the source as 'node.field' or '$input.field'")
+        src, src_field = ref.rsplit(".", 1)
+        if src not in self.nodes and src != INPUT:
+            raise WorkflowError(f"source node {src!r} does not exist", node=node_id, field=field,
+                                fix=f"add {src!r} first, or use one of {[INPUT, *self.node_ids]}")
+        return src, src_field
+
+    def _default_source(self, field: str, node_id: str) -> tuple[str, str]:
+        for candidate in reversed(self.node_ids):
+            if self.nodes[candidate].spec.output(field) is not None:
+                return candidate, field
+        if self.io.input(field) is not None:
+            return INPUT, field
+        raise WorkflowError(
+            "input has no source: no earlier node produces it and it is not a program input",
+            node=node_id, field=field,
+            fix=f"add {field!r} to the program inputs, or pass inputs={{'{field}': 'node.field'}}",
+        )
+
+    def _add_mapping(self, src: str, dst: str, src_field: str, dst_field: str) -> None:
+        if self.graph.has_edge(src, dst):
+            self.graph.edges[src, dst]["map"][src_field] = dst_field
+        else:
+            self.graph.add_edge(src, dst, map={src_field: dst_field})
+
+    def _set_output_source(self, out_field: str, src: str, src_field: str) -> None:
+        for pred in list(self.graph.predecessors(OUTPUT)):
+            mapping = self.graph.edges[pred, OUTPUT]["map"]
+            for key in [k for k, v in mapping.items() if v == out_field]:
+                del mapping[key]
+            if not mapping:
+                self.graph.remove_edge(pred, OUTPUT)
+        self._add_mapping(src, OUTPUT, src_field, out_field)
+
+    # ------------------------------------------------------------------ inspection
+    def node_spec(self, node_id: str) -> SignatureSpec:
+        """The signature of a node, or of ``$input``/``$output`` (the program's fields)."""
+        if node_id == INPUT:
+            return SignatureSpec("", (), self.io.inputs)
+        if node_id == OUTPUT:
+            return SignatureSpec("", self.io.outputs, ())
+        return self.nodes[node_id].spec
+
+    def sources(self, node_id: str) -> dict[str, tuple[str, str]]:
+        """``{input_field: (src_node, src_field)}`` for a node or ``$output``."""
+        result: dict[str, tuple[str, str]] = {}
+        for pred in self.graph.predecessors(node_id):
+            for src_field, dst_field in self.graph.edges[pred, node_id]["map"].items():
+                result[dst_field] = (pred, src_field)
+        return result
+
+    def edges(self) -> list[tuple[str, str, dict[str, str]]]:
+        return [(u, v, dict(d["map"])) for u, v, d in self.graph.edges(data=True)]
+
+    def topological_order(self) -> list[str]:
+        return [n for n in nx.topological_sort(self.graph) if n not in PSEUDO_NODES]
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, *, require_complete: bool = True) -> Workflow:
+        """Check the graph; raise :class:`~flowopt.errors.WorkflowError` naming node, field and fix.
+
+        ``require_complete=False`` (used while building) skips the check that every program output
+        is produced, since later nodes may still produce it.
+        """
+        if not nx.is_directed_acyclic_graph(self.graph):
+            cycle = nx.find_cycle(self.graph)
+            path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
+            raise WorkflowError(f"the graph has a cycle ({path})", node=cycle[0][0],
+                                fix="remove an edge of the cycle; bounded loops belong inside an operator "
+                                    "such as Refine(max_rounds=...)")
+        for src, dst, data in self.graph.edges(data=True):
+            if dst == INPUT or src == OUTPUT:
+                raise WorkflowError(f"edge {src} -> {dst} points the wrong way", node=dst,
+                                    fix="$input may only be a source and $output only a target")
+            for node in (src, dst):
+                if node not in self.nodes and node not in PSEUDO_NODES:
+                    raise WorkflowError("edge refers to a node that does not exist", node=node,
+                                        fix=f"use one of {[*PSEUDO_NODES, *self.node_ids]}")
+            src_spec, dst_spec = self.node_spec(src), self.node_spec(dst)
+            for src_field, dst_field in data["map"].items():
+                out = src_spec.output(src_field)
+                if out is None:
+                    raise WorkflowError(f"edge {src} -> {dst} reads {src_field!r}, which {src} does not "
+                                        "produce", node=src, field=src_field,
+                                        fix=f"map one of {src_spec.output_names}")
+                inp = dst_spec.input(dst_field)
+                if inp is None:
+                    raise WorkflowError(f"edge {src} -> {dst} feeds {dst_field!r}, which {dst} does not "
+                                        "take", node=dst, field=dst_field,
+                                        fix=f"map to one of {dst_spec.input_names}")
+                if not types_compatible(out.type, inp.type):
+                    raise WorkflowError(
+                        f"type mismatch: {src}.{src_field} is {out.type} but {dst}.{dst_field} takes "
+                        f"{inp.type}", node=dst, field=dst_field,
+                        fix="change one of the two field types, or insert a node that converts",
+                    )
+        for node_id in [*self.nodes, OUTPUT]:
+            counts: dict[str, int] = {}
+            for pred in self.graph.predecessors(node_id):
+                for dst_field in self.graph.edges[pred, node_id]["map"].values():
+                    counts[dst_field] = counts.get(dst_field, 0) + 1
+            for field in self.node_spec(node_id).inputs:
+                n = counts.get(field.name, 0)
+                if n > 1:
+                    raise WorkflowError(f"input is fed {n} times", node=node_id, field=field.name,
+                                        fix="keep exactly one edge into each input field")
+                if n == 0 and (node_id != OUTPUT or require_complete):
+                    raise WorkflowError("input is not fed by any edge", node=node_id, field=field.name,
+                                        fix="add a node that produces it or map a source to it")
+        return self
+
+    # ------------------------------------------------------------------ running
+    def forward(self, **inputs: Any) -> dspy.Prediction:
+        missing = [name for name in self.io.input_names if name not in inputs]
+        if missing:
+            raise WorkflowError("the program was called without this input", node=INPUT, field=missing[0],
+                                fix=f"call it with {self.io.input_names}")
+        order = self.topological_order()
+        values: dict[str, dict[str, Any]] = {INPUT: dict(inputs)}
+        if self._max_width(order) <= 1:
+            for node_id in order:
+                values[node_id] = self._run_node(node_id, values)
+        else:
+            self._run_concurrently(order, values)
+        out = {dst: values[src][src_field] for dst, (src, src_field) in self.sources(OUTPUT).items()}
+        return dspy.Prediction(**out)
+
+    def _max_width(self, order: list[str]) -> int:
+        # Widest antichain is costly; the widest topological generation is a cheap, exact enough test
+        # for "can anything run in parallel here".
+        if len(order) <= 1:
+            return len(order)
+        return max(len([n for n in gen if n not in PSEUDO_NODES])
+                   for gen in nx.topological_generations(self.graph))
+
+    def _run_concurrently(self, order: list[str], values: dict[str, dict[str, Any]]) -> None:
+        remaining = {n: {p for p in self.graph.predecessors(n) if p != INPUT} for n in order}
+        running: dict[Future[dict[str, Any]], str] = {}
+        with ThreadPoolExecutor(max_workers=self._max_width(order),
+                                thread_name_prefix=f"flowopt-{self.name}") as pool:
+            while remaining or running:
+                ready = [n for n, deps in remaining.items() if not deps]
+                for node_id in ready:
+                    del remaining[node_id]
+                    # Each task runs in a copy of the caller's context, so dspy.context(lm=..., trace=...)
+                    # set by the caller (e.g. an optimizer) applies inside the worker thread too.
+                    ctx = contextvars.copy_context()
+                    running[pool.submit(ctx.run, self._run_node, node_id, values)] = node_id
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    node_id = running.pop(future)
+                    values[node_id] = future.result()  # re-raises the node's error in the caller
+                    for deps in remaining.values():
+                        deps.discard(node_id)
+
+    def _run_node(self, node_id: str, values: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        kwargs = {dst: values[src][src_field] for dst, (src, src_field) in self.sources(node_id).items()}
+        op = self.nodes[node_id]
+        lm = self._lm_for(node_id)
+        if lm is None:
+            pred = op(**kwargs)
+        else:
+            with dspy.context(lm=lm):
+                pred = op(**kwargs)
+        return {name: pred[name] for name in op.spec.output_names}
+
+    def _lm_for(self, node_id: str) -> Any:
+        name = self.node_lms.get(node_id)
+        if name is None:
+            return None
+        if name not in self.lms:
+            raise WorkflowError(f"node uses LM {name!r}, which the workflow does not define",
+                                node=node_id, fix=f"bind it with workflow.lms[{name!r}] = dspy.LM(...)")
+        lm = self.lms[name]
+        if isinstance(lm, dict):  # loaded from JSON: build the LM on first use, once
+            from flowopt.lm_spec import lm_from_spec
+
+            with self._lm_lock:
+                if isinstance(self.lms[name], dict):
+                    self.lms[name] = lm_from_spec(self.lms[name])
+                lm = self.lms[name]
+        return lm
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        from flowopt.ir import workflow_to_dict
+
+        return workflow_to_dict(self)
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        from flowopt.ir import dumps
+
+        return dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Workflow:
+        from flowopt.ir import workflow_from_dict
+
+        return workflow_from_dict(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> Workflow:
+        from flowopt.ir import loads, workflow_from_dict
+
+        return workflow_from_dict(loads(text))
+
+    def save(self, path: str | Path) -> Path:
+        """Write the workflow JSON atomically (temporary file, then rename)."""
+        from flowopt.io import atomic_write_text
+
+        return atomic_write_text(path, self.to_json() + "\n")
+
+    def canonical_json(self) -> str:
+        """Structure, settings, instructions and demos with sorted keys, without ``meta``.
+
+        Two workflows that behave the same under the same LMs have the same canonical JSON, so it is
+        the key for caching evaluations.
+        """
+        from flowopt.ir import dumps
+
+        data = self.to_dict()
+        data.pop("meta", None)
+        return dumps(data, indent=None, sort_keys=True)
+
+    def draw(self, path: str | Path | None = None, *, fmt: str = "png") -> bytes:
+        """Render the graph (node ids, ops, field maps) to PNG or SVG bytes; optionally save to ``path``."""
+        from flowopt.draw import draw_workflow
+
+        return draw_workflow(self, path=path, fmt=fmt)
+
+    def __repr__(self) -> str:
+        chain = ", ".join(f"{n}:{type(op).op_name}" for n, op in self.nodes.items())
+        return f"Workflow({self.name!r}, {self.io.input_names} -> {self.io.output_names}, [{chain}])"
+
+    # dspy.Module.deepcopy falls back to shallow copies for attributes that fail to deepcopy, which
+    # would share the graph between copies; copy the lock-free parts explicitly instead.
+    def __deepcopy__(self, memo: dict[int, Any]) -> Workflow:
+        import copy
+
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key == "_lm_lock":
+                new.__dict__[key] = threading.Lock()
+            elif key == "lms":
+                # LM clients hold connections and caches: share them, never copy.
+                new.__dict__[key] = dict(value)
+            else:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
+
+
+def chain(signature: str, *ops: Operator, name: str = "workflow",
+          ids: Iterable[str] | None = None) -> Workflow:
+    """A linear workflow in one call: ``chain("question -> answer", Predict(...), ChainOfThought(...))``.
+
+    Node ids default to the operator names in snake case, numbered when repeated.
+    """
+    wf = Workflow(signature, name=name)
+    names = list(ids) if ids is not None else _default_ids(ops)
+    if len(names) != len(ops):
+        raise WorkflowError(f"{len(ops)} operators but {len(names)} ids", fix="give one id per operator")
+    for node_id, op in zip(names, ops):
+        wf.add(node_id, op)
+    return wf
+
+
+def _default_ids(ops: Iterable[Operator]) -> list[str]:
+    import re
+
+    ids: list[str] = []
+    for op in ops:
+        base = re.sub(r"(?<!^)(?=[A-Z])", "_", type(op).op_name or type(op).__name__).lower()
+        candidate, k = base, 2
+        while candidate in ids:
+            candidate, k = f"{base}_{k}", k + 1
+        ids.append(candidate)
+    return ids

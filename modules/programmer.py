@@ -1,0 +1,90 @@
+"""``Programmer``: the LM writes a Python program, which runs in the sandbox; its output is the answer."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import dspy
+from flowopt.modules._fields import extend
+from flowopt.modules.sandbox import run_python
+
+from flowopt.errors import ConfigError, SandboxError
+from flowopt.operator import Operator
+from flowopt.registry import register_operator
+from flowopt.signature import FieldSpec, SignatureSpec
+
+logger = logging.getLogger(__name__)
+
+ON_FAILURE = ("raise", "empty")
+
+
+@register_operator
+class Programmer(Operator):
+    """Solve by writing code: the program's last printed line becomes the node's single output.
+
+    The code runs in :func:`flowopt.modules.sandbox.run_python` (separate process, timeout, memory
+    limit, temporary directory, no network). A failed run is shown to the LM, which gets up to
+    ``max_attempts`` tries. If every try fails, ``on_failure="raise"`` raises
+    :class:`~flowopt.errors.SandboxError` and ``on_failure="empty"`` outputs ``""`` (useful as one
+    branch of an ensemble, where a selector ignores empty candidates).
+
+    Example:
+        >>> from flowopt.modules import Programmer
+        >>> Programmer("question -> answer", timeout_s=2.0).config()
+        {'timeout_s': 2.0, 'memory_mb': 512, 'max_attempts': 2, 'on_failure': 'raise'}
+    """
+
+    op_name = "Programmer"
+
+    def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec = "question -> answer",
+                 instructions: str | None = None, *, timeout_s: float = 5.0, memory_mb: int = 512,
+                 max_attempts: int = 2, on_failure: str = "raise") -> None:
+        super().__init__(signature, instructions)
+        if len(self._spec.outputs) != 1 or self._spec.outputs[0].type not in ("str", "Any"):
+            raise ConfigError("Programmer needs exactly one output field of type str",
+                              fix='use a signature like "question -> answer"')
+        if not 0 < float(timeout_s) <= 120 or not 32 <= int(memory_mb) <= 16384 or not 1 <= max_attempts <= 5:
+            raise ConfigError("Programmer limits out of range (timeout_s in (0, 120], memory_mb in "
+                              "[32, 16384], max_attempts in [1, 5])", fix="pass values inside those ranges")
+        if on_failure not in ON_FAILURE:
+            raise ConfigError(f"on_failure must be one of {ON_FAILURE}", fix='pass on_failure="raise"')
+        self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
+        self.max_attempts, self.on_failure = max_attempts, on_failure
+        self.write_code = dspy.ChainOfThought(extend(
+            self._spec,
+            instructions=self._spec.instructions or (
+                "Write a complete Python 3 program that computes the answer and prints only the final "
+                "answer on its last line. Use only the standard library. If previous_error is not empty, "
+                "fix the problem it describes."),
+            inputs=(FieldSpec("previous_error", "str"),),
+            outputs=(FieldSpec("code", "str"),),
+        ).to_dspy())
+
+    def config(self) -> dict[str, Any]:
+        return {"timeout_s": self.timeout_s, "memory_mb": self.memory_mb,
+                "max_attempts": self.max_attempts, "on_failure": self.on_failure}
+
+    def forward(self, **inputs: Any) -> dspy.Prediction:
+        output = self._spec.outputs[0].name
+        error = ""
+        for attempt in range(self.max_attempts):
+            code = _strip_fences(self.write_code(**inputs, previous_error=error).code)
+            result = run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb)
+            lines = [line for line in result.stdout.strip().splitlines() if line.strip()]
+            if result.ok and lines:
+                return dspy.Prediction(**{output: lines[-1].strip()}, code=code)
+            error = ("timed out" if result.timed_out else result.stderr.strip()[-800:]) or "printed nothing"
+            logger.debug("Programmer attempt %d failed: %s", attempt + 1, error)
+        if self.on_failure == "empty":
+            return dspy.Prediction(**{output: ""}, code=code, error=error)
+        raise SandboxError(f"Programmer: no attempt of {self.max_attempts} ran successfully; last error: {error}",
+                           fix="raise max_attempts/timeout_s, or use on_failure='empty' inside an ensemble")
+
+
+def _strip_fences(code: str) -> str:
+    text = str(code).strip()
+    if text.startswith("```"):
+        text = text.split("\n", 1)[1] if "\n" in text else ""
+        text = text.rsplit("```", 1)[0]
+    return text

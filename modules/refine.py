@@ -1,0 +1,60 @@
+"""``Refine``: answer, then review and revise for at most ``max_rounds`` rounds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dspy
+from flowopt.modules._fields import extend, render_outputs
+
+from flowopt.errors import ConfigError
+from flowopt.operator import Operator
+from flowopt.registry import register_operator
+from flowopt.signature import FieldSpec, SignatureSpec
+
+
+@register_operator
+class Refine(Operator):
+    """Draft with chain of thought, then loop review -> revise until the reviewer accepts.
+
+    The loop is bounded by ``max_rounds`` (the IR never has cycles; bounded loops live here).
+
+    Example:
+        >>> from flowopt.modules import Refine
+        >>> Refine("question -> answer", max_rounds=2).config()
+        {'max_rounds': 2}
+    """
+
+    op_name = "Refine"
+
+    def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
+                 *, max_rounds: int = 1) -> None:
+        super().__init__(signature, instructions)
+        if not isinstance(max_rounds, int) or not 1 <= max_rounds <= 10:
+            raise ConfigError(f"Refine max_rounds must be an int in 1..10, got {max_rounds!r}",
+                              fix="pass max_rounds=1 (one review) up to 10")
+        self.max_rounds = max_rounds
+        attempt = (FieldSpec("attempt", "str"),)
+        self.generate = dspy.ChainOfThought(self._spec.to_dspy())
+        self.review = dspy.Predict(extend(
+            self._spec, inputs=attempt,
+            instructions="Check the attempt step by step. Say whether it is correct and, if not, what to fix.",
+            outputs=(FieldSpec("feedback", "str"), FieldSpec("is_correct", "bool")),
+        ).to_dspy())
+        self.revise = dspy.ChainOfThought(extend(
+            self._spec, inputs=(*attempt, FieldSpec("feedback", "str")),
+            instructions="Revise the attempt using the feedback and give the corrected outputs.",
+        ).to_dspy())
+
+    def config(self) -> dict[str, Any]:
+        return {"max_rounds": self.max_rounds}
+
+    def forward(self, **inputs: Any) -> dspy.Prediction:
+        current = self.generate(**inputs)
+        for _ in range(self.max_rounds):
+            attempt = render_outputs(self._spec, current)
+            review = self.review(**inputs, attempt=attempt)
+            if review.is_correct is True:
+                break
+            current = self.revise(**inputs, attempt=attempt, feedback=review.feedback)
+        return dspy.Prediction(**{name: current[name] for name in self._spec.output_names})

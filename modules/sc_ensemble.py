@@ -1,0 +1,88 @@
+"""``ScEnsemble``: sample n solutions, then keep the majority answer or let the LM pick one."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import dspy
+from flowopt.modules._fields import extend, render_outputs
+
+from flowopt.concurrency import map_in_context
+from flowopt.errors import ConfigError
+from flowopt.operator import Operator
+from flowopt.registry import register_operator
+from flowopt.signature import FieldSpec, SignatureSpec
+
+logger = logging.getLogger(__name__)
+
+SELECT_MODES = ("majority", "lm")
+
+
+@register_operator
+class ScEnsemble(Operator):
+    """Self-consistency ensemble over ``n`` chain-of-thought samples.
+
+    ``select="majority"`` returns the sample whose ``vote_field`` (default: first output) is most
+    common, ties going to the earliest sample; ``select="lm"`` asks a selector predictor for the index
+    of the most consistent sample. Samples use distinct rollout ids at ``temperature`` so that DSPy's
+    cache keeps them apart.
+
+    Example:
+        >>> from flowopt.modules import ScEnsemble
+        >>> ScEnsemble("question -> answer", n=3).config()
+        {'n': 3, 'select': 'majority', 'temperature': 0.7, 'vote_field': 'answer'}
+    """
+
+    op_name = "ScEnsemble"
+
+    def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
+                 *, n: int = 5, select: str = "majority", temperature: float = 0.7,
+                 vote_field: str | None = None) -> None:
+        super().__init__(signature, instructions)
+        if not isinstance(n, int) or n < 1:
+            raise ConfigError(f"ScEnsemble n must be an int >= 1, got {n!r}", fix="pass n=3 or n=5")
+        if select not in SELECT_MODES:
+            raise ConfigError(f"ScEnsemble select must be one of {SELECT_MODES}, got {select!r}",
+                              fix='pass select="majority" or select="lm"')
+        self.n, self.select, self.temperature = n, select, float(temperature)
+        self.vote_field = vote_field or self._spec.output_names[0]
+        if self._spec.output(self.vote_field) is None:
+            raise ConfigError(f"vote_field {self.vote_field!r} is not an output",
+                              fix=f"use one of {self._spec.output_names}")
+        self.generate = dspy.ChainOfThought(self._spec.to_dspy(), temperature=self.temperature)
+        if select == "lm":
+            selector = extend(
+                self._spec,
+                instructions="Several candidate solutions follow, numbered from 0. Choose the index of the "
+                             "one most consistent with the others and most likely correct.",
+                inputs=(FieldSpec("candidates", "str"),),
+                outputs=(FieldSpec("best_index", "int"),),
+            )
+            self.selector = dspy.Predict(selector.to_dspy())
+
+    def config(self) -> dict[str, Any]:
+        return {"n": self.n, "select": self.select, "temperature": self.temperature,
+                "vote_field": self.vote_field}
+
+    def forward(self, **inputs: Any) -> dspy.Prediction:
+        def sample(i: int) -> dspy.Prediction:
+            return self.generate(**inputs, config={"rollout_id": i})
+
+        samples = map_in_context(sample, [(i,) for i in range(self.n)], max_workers=self.n)
+        if self.select == "lm":
+            listing = "\n\n".join(f"[{i}]\n{render_outputs(self._spec, s)}" for i, s in enumerate(samples))
+            index = self.selector(**inputs, candidates=listing).best_index
+            if not isinstance(index, int) or not 0 <= index < len(samples):
+                logger.info("selector chose %r, outside 0..%d; falling back to majority", index, self.n - 1)
+                index = self._majority_index(samples)
+        else:
+            index = self._majority_index(samples)
+        chosen = samples[index]
+        return dspy.Prediction(**{name: chosen[name] for name in self._spec.output_names})
+
+    def _majority_index(self, samples: list[dspy.Prediction]) -> int:
+        keys = [str(s[self.vote_field]).strip().lower() for s in samples]
+        winner, _ = Counter(keys).most_common(1)[0]
+        return keys.index(winner)
