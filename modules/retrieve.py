@@ -24,7 +24,8 @@ class Retrieve(Operator):
     Example:
         >>> from flowopt.modules import Retrieve
         >>> r = Retrieve(k=1)
-        >>> r(question="capital of France?", context=["Berlin is in Germany.", "Paris is the capital of France."]).passages
+        >>> paragraphs = ["Berlin is in Germany.", "Paris is the capital of France."]
+        >>> r(question="capital of France?", context=paragraphs).passages
         ['Paris is the capital of France.']
     """
 
