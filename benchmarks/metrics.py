@@ -195,8 +195,9 @@ def f1_score(prediction: str, ground_truth: str) -> float:
     """Official HotpotQA answer F1: token-overlap F1 after normalisation, with the yes/no/noanswer rule.
 
     If either normalised answer is ``yes``, ``no`` or ``noanswer`` and they differ, the score is 0
-    (so ``"yes, it is"`` against ``"yes"`` scores 0, not 0.5). No overlap, including two empty
-    answers, scores 0.
+    (so ``"yes, it is"`` against ``"yes"`` scores 0, not 0.5). No overlap scores 0, and so does an
+    answer that normalises to nothing, even against itself: two HotpotQA gold answers, ``"The The"``
+    (the band) and ``"!!!"`` (the band), get F1 0 whatever is predicted (their EM still works).
 
     Example:
         >>> round(f1_score("Paris, France", "Paris"), 3)
