@@ -79,6 +79,7 @@ __all__ = [
     "get_protocol",
     "list_protocols",
     "load_split",
+    "render_paragraph",
     "verify_file",
 ]
 
