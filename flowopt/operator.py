@@ -74,7 +74,7 @@ class Operator(dspy.Module):
     def predictor_state(self) -> dict[str, dict[str, Any]]:
         """Demos of every predictor, plus its signature state (instructions, field prefixes and
         descriptions) where an optimizer changed it from what the operator builds, as JSON data."""
-        fresh = dict(type(self).from_config(self._spec, self.config()).named_predictors())
+        fresh = dict(type(self).from_config(self.spec, self.config()).named_predictors())
         state: dict[str, dict[str, Any]] = {}
         for name, predictor in self.named_predictors():
             entry: dict[str, Any] = {"demos": [_demo_to_json(d, name) for d in predictor.demos]}

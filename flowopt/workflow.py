@@ -8,9 +8,10 @@ and its optimizers run on a Workflow unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -89,40 +90,56 @@ class Workflow(dspy.Module):
             else:
                 src, src_field = self._default_source(field.name, node_id)
             wiring.append((src, src_field, field.name))
-        self.nodes[node_id] = op
-        self.node_lms[node_id] = lm
-        self.graph.add_node(node_id)
-        for src, src_field, dst_field in wiring:
-            self._add_mapping(src, node_id, src_field, dst_field)
-        # Latest producer of a program output feeds it, unless the user pinned another source.
-        for field in op.spec.outputs:
-            if self.io.output(field.name) is not None and field.name not in self._pinned_outputs:
-                self._set_output_source(field.name, node_id, field.name)
         try:
-            self.validate(require_complete=False)
-        except WorkflowError:
-            self.remove(node_id)
+            with self._rollback_on_error():
+                self.nodes[node_id] = op
+                self.node_lms[node_id] = lm
+                self.graph.add_node(node_id)
+                for src, src_field, dst_field in wiring:
+                    self._add_mapping(src, node_id, src_field, dst_field)
+                # Latest producer of a program output feeds it, unless the user pinned another source.
+                for field in op.spec.outputs:
+                    if self.io.output(field.name) is not None and field.name not in self._pinned_outputs:
+                        self._set_output_source(field.name, node_id, field.name)
+                self.validate(require_complete=False)
+        except BaseException:
+            self.nodes.pop(node_id, None)
+            self.node_lms.pop(node_id, None)
             raise
         return self
 
     def output(self, **sources: str) -> Workflow:
         """Pin program outputs to node fields: ``wf.output(answer="final.answer")``."""
-        for out_field, ref in sources.items():
-            if self.io.output(out_field) is None:
-                raise WorkflowError("not an output of the program", node=OUTPUT, field=out_field,
-                                    fix=f"use one of {self.io.output_names}")
-            src, src_field = self._parse_ref(ref, OUTPUT, out_field)
-            self._set_output_source(out_field, src, src_field)
-            self._pinned_outputs.add(out_field)
-        self.validate(require_complete=False)
+        with self._rollback_on_error():
+            for out_field, ref in sources.items():
+                if self.io.output(out_field) is None:
+                    raise WorkflowError("not an output of the program", node=OUTPUT, field=out_field,
+                                        fix=f"use one of {self.io.output_names}")
+                src, src_field = self._parse_ref(ref, OUTPUT, out_field)
+                self._set_output_source(out_field, src, src_field)
+                self._pinned_outputs.add(out_field)
+            self.validate(require_complete=False)
         return self
 
     def connect(self, src: str, dst: str, mapping: Mapping[str, str]) -> Workflow:
         """Low-level: add an edge ``src -> dst`` mapping ``{src_field: dst_field}``; validates."""
-        for src_field, dst_field in mapping.items():
-            self._add_mapping(src, dst, src_field, dst_field)
-        self.validate(require_complete=False)
+        with self._rollback_on_error():
+            for src_field, dst_field in mapping.items():
+                self._add_mapping(src, dst, src_field, dst_field)
+            self.validate(require_complete=False)
         return self
+
+    @contextlib.contextmanager
+    def _rollback_on_error(self) -> Iterator[None]:
+        """Restore the wiring if a change fails validation: a refused edit leaves nothing behind."""
+        graph, pinned = self.graph.copy(), set(self._pinned_outputs)
+        for u, v in graph.edges:
+            graph.edges[u, v]["map"] = dict(graph.edges[u, v]["map"])
+        try:
+            yield
+        except BaseException:
+            self.graph, self._pinned_outputs = graph, pinned
+            raise
 
     def remove(self, node_id: str) -> Workflow:
         """Remove a node and its edges (the caller re-wires what it fed)."""
@@ -167,7 +184,13 @@ class Workflow(dspy.Module):
 
     def _add_mapping(self, src: str, dst: str, src_field: str, dst_field: str) -> None:
         if self.graph.has_edge(src, dst):
-            self.graph.edges[src, dst]["map"][src_field] = dst_field
+            mapping = self.graph.edges[src, dst]["map"]
+            if mapping.get(src_field, dst_field) != dst_field:
+                # An edge maps each source field once; silently re-pointing it would unfeed an input.
+                raise WorkflowError(
+                    f"{src}.{src_field} already feeds {dst}.{mapping[src_field]} on this edge", node=dst,
+                    field=dst_field, fix="feed the second input from another field or through another node")
+            mapping[src_field] = dst_field
         else:
             self.graph.add_edge(src, dst, map={src_field: dst_field})
 
@@ -418,7 +441,7 @@ def _default_ids(ops: Iterable[Operator]) -> list[str]:
 
     ids: list[str] = []
     for op in ops:
-        base = re.sub(r"(?<!^)(?=[A-Z])", "_", type(op).op_name or type(op).__name__).lower()
+        base = re.sub(r"(?<!^)(?=[A-Z])", "_", getattr(type(op), "op_name", "") or type(op).__name__).lower()
         candidate, k = base, 2
         while candidate in ids:
             candidate, k = f"{base}_{k}", k + 1
