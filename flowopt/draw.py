@@ -44,10 +44,16 @@ def draw_workflow(wf: Workflow, *, path: str | Path | None = None, fmt: str = "p
     colors = ["#d9ead3" if n in (INPUT, OUTPUT) else "#cfe2f3" for n in graph.nodes]
     nx.draw_networkx_nodes(graph, pos, ax=ax, node_color=colors, node_size=5200, node_shape="s")
     nx.draw_networkx_labels(graph, pos, labels={n: label(n) for n in graph.nodes}, font_size=8, ax=ax)
-    nx.draw_networkx_edges(graph, pos, ax=ax, arrows=True, arrowsize=16, node_size=5200)
     edge_labels = {(u, v): ", ".join(s if s == d else f"{s}->{d}" for s, d in m.items())
                    for u, v, m in wf.edges()}
-    nx.draw_networkx_edge_labels(graph, pos, edge_labels=edge_labels, font_size=7, ax=ax)
+    # Edges that skip a layer are drawn as arcs so they do not run through the nodes in between.
+    for curved in (False, True):
+        edges = [(u, v) for u, v in graph.edges if (layer_of[v] - layer_of[u] > 1) == curved]
+        style = "arc3,rad=0.3" if curved else "arc3"
+        nx.draw_networkx_edges(graph, pos, edgelist=edges, ax=ax, arrows=True, arrowsize=16, node_size=5200,
+                               connectionstyle=style)
+        nx.draw_networkx_edge_labels(graph, pos, edge_labels={e: edge_labels[e] for e in edges}, font_size=7,
+                                     ax=ax, connectionstyle=style)
     ax.set_title(wf.name)
     ax.axis("off")
     buffer = io.BytesIO()
