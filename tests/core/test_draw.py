@@ -1,7 +1,8 @@
 """draw() renders the graph for notebooks."""
 
-import flowopt
 from flowopt.modules import ChainOfThought, Predict
+
+import flowopt
 
 
 def test_draw_png_and_svg(tmp_path):
