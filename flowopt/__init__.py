@@ -4,6 +4,7 @@ Declare a workflow (typed operators wired as a graph), run it as a DSPy module, 
 document, and compile it with ``flowopt.compile(program, trainset, metric)``.
 """
 
+from flowopt.compiler import Budget, CompileReport, Stage, StageContext, compile, register_stage
 from flowopt.errors import (
     BudgetExhausted,
     ConfigError,
@@ -27,7 +28,9 @@ __version__ = "0.1.0"
 __all__ = [
     "INPUT",
     "OUTPUT",
+    "Budget",
     "BudgetExhausted",
+    "CompileReport",
     "ConfigError",
     "DataError",
     "FieldSpec",
@@ -38,12 +41,16 @@ __all__ = [
     "SandboxError",
     "SchemaError",
     "SignatureSpec",
+    "Stage",
+    "StageContext",
     "UnknownOperatorError",
     "Workflow",
     "WorkflowError",
     "chain",
+    "compile",
     "get_operator",
     "load",
     "operator_names",
     "register_operator",
+    "register_stage",
 ]

@@ -1,0 +1,154 @@
+"""Programs as data, and the layout of a compile run folder.
+
+A stage's output is saved as data only: a ``Workflow`` as its workflow JSON, any other
+``dspy.Module`` as DSPy's JSON state (demos, signatures) plus predictor settings. LM clients are never
+saved; loading rebinds them from the program being compiled.
+
+Run folder layout::
+
+    run_dir/
+      compile.json           what is being compiled (fingerprint, stage list) and the baseline row
+      stages/00-demos/       the stage's own folder (its checkpoints; search.db for the search)
+        output.json          written when the stage finished: its program and report row
+      report.json            the report so far
+      program.json           the best program (workflow JSON with meta["report"], or module state)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from flowopt.errors import ConfigError
+from flowopt.io import atomic_write_json
+
+RUN_SCHEMA = "flowopt.compile-run/v1"
+
+
+def _is_workflow(program: Any) -> bool:
+    return hasattr(program, "canonical_json") and hasattr(program, "to_dict") and hasattr(program, "lms")
+
+
+def _lm_objects(program: Any) -> list[Any]:
+    lms = [p.lm for _, p in program.named_predictors() if getattr(p, "lm", None) is not None]
+    if _is_workflow(program):
+        lms.extend(v for v in program.lms.values() if not isinstance(v, dict))
+    return lms
+
+
+def clone_program(program: Any) -> Any:
+    """A deep copy whose LM clients are shared with the original (they hold connections and caches)."""
+    memo: dict[int, Any] = {id(lm): lm for lm in _lm_objects(program)}
+    return copy.deepcopy(program, memo)
+
+
+def program_to_data(program: Any) -> dict[str, Any]:
+    if _is_workflow(program):
+        return {"kind": "workflow", "workflow": program.to_dict()}
+    state = program.dump_state(json_mode=True)
+    for entry in state.values():
+        if isinstance(entry, dict):
+            entry.pop("lm", None)
+    configs = {}
+    for name, predictor in program.named_predictors():
+        config = {k: v for k, v in dict(getattr(predictor, "config", {}) or {}).items() if _is_json(v)}
+        configs[name] = config
+    return {"kind": "module", "class": f"{type(program).__module__}.{type(program).__qualname__}",
+            "state": state, "configs": configs}
+
+
+def program_from_data(data: dict[str, Any], base: Any) -> Any:
+    """Rebuild a program saved by :func:`program_to_data`, taking LM clients from ``base``."""
+    if data.get("kind") == "workflow":
+        from flowopt.workflow import Workflow
+
+        wf = Workflow.from_dict(data["workflow"])
+        if _is_workflow(base):
+            for name, lm in base.lms.items():
+                if name in wf.lms:
+                    wf.lms[name] = lm
+        return wf
+    program = clone_program(base)
+    lms = {name: p.lm for name, p in program.named_predictors()}
+    state = {k: (dict(v, lm=None) if isinstance(v, dict) else v) for k, v in data["state"].items()}
+    program.load_state(state)
+    for name, predictor in program.named_predictors():
+        predictor.lm = lms.get(name)
+        predictor.config = dict(data.get("configs", {}).get(name, predictor.config))
+    return program
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+class RunFolder:
+    """Reads and writes one compile run folder (atomic writes only)."""
+
+    def __init__(self, path: str | Path, *, resume: bool, fingerprint: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self.resume = resume
+        self.fingerprint = fingerprint
+        self.manifest_path = self.path / "compile.json"
+        self.manifest: dict[str, Any] = {}
+        if self.manifest_path.exists():
+            try:
+                existing = json.loads(self.manifest_path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as err:
+                raise ConfigError(f"run_dir {self.path} has an unreadable compile.json ({err})",
+                                  fix="use a new run_dir") from err
+            if not resume:
+                raise ConfigError(f"run_dir {self.path} already holds a compile run",
+                                  fix="pass resume=True to continue it, or use a new (or emptied) run_dir")
+            if existing.get("fingerprint") != fingerprint:
+                diff = sorted(k for k in fingerprint if existing.get("fingerprint", {}).get(k) != fingerprint[k])
+                raise ConfigError(
+                    f"run_dir {self.path} holds a run of a different compile (differs in: {', '.join(diff)})",
+                    fix="resume with the same program, data, metric name, stages and seed, or use a new run_dir")
+            self.manifest = existing
+        else:
+            self.manifest = {"schema": RUN_SCHEMA, "fingerprint": fingerprint}
+
+    def stage_dir(self, index: int, name: str) -> Path:
+        path = self.path / "stages" / f"{index:02d}-{name}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def write_manifest(self) -> None:
+        atomic_write_json(self.manifest_path, self.manifest)
+
+    def baseline(self) -> dict[str, Any] | None:
+        return self.manifest.get("baseline") if self.resume else None
+
+    def save_baseline(self, row: dict[str, Any]) -> None:
+        self.manifest["baseline"] = row
+        self.write_manifest()
+
+    def finished(self, index: int, name: str) -> dict[str, Any] | None:
+        if not self.resume:
+            return None
+        path = self.path / "stages" / f"{index:02d}-{name}" / "output.json"
+        if not path.exists():
+            return None
+        return json.loads(path.read_text(encoding="utf-8"))
+
+    def save_finished(self, index: int, name: str, program: Any | None, row: dict[str, Any]) -> None:
+        data = {"row": row, "program": None if program is None else program_to_data(program)}
+        atomic_write_json(self.stage_dir(index, name) / "output.json", data)
+
+    def save_report(self, report: dict[str, Any]) -> None:
+        atomic_write_json(self.path / "report.json", report)
+
+    def save_program(self, program: Any) -> Path:
+        path = self.path / "program.json"
+        if _is_workflow(program):
+            program.save(path)
+        else:
+            atomic_write_json(path, program_to_data(program))
+        return path

@@ -1,0 +1,241 @@
+"""Parallel evaluation of a program on examples: mean score with a 95% interval.
+
+A program that raises on an example (an LM output that does not parse, an LM error) scores 0 for it
+and counts as an error; more than ``max_errors`` errors stop the evaluation with an
+:class:`~flowopt.errors.LMError`. A metric that raises or returns a non-number is the user's bug and
+raises :class:`~flowopt.errors.MetricError` naming the example.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import json
+import logging
+import math
+import numbers
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowopt.compiler.budget import BudgetStop
+from flowopt.errors import FlowoptError, LMError, MetricError, WorkflowError
+
+logger = logging.getLogger(__name__)
+
+Metric = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Scores of one program on some examples.
+
+    ``score`` is the mean, ``ci`` its 95% interval (Wilson for 0/1 scores, normal otherwise),
+    ``scores`` one value per example in order, ``errors`` how many examples raised in the program.
+
+    Example:
+        >>> from flowopt.compiler import EvalResult
+        >>> r = EvalResult.from_scores([1.0, 0.0, 1.0, 1.0])
+        >>> r.score, r.n
+        (0.75, 4)
+    """
+
+    score: float
+    ci: tuple[float, float]
+    scores: list[float] = field(default_factory=list)
+    n: int = 0
+    errors: int = 0
+
+    @classmethod
+    def from_scores(cls, scores: Sequence[float], errors: int = 0) -> EvalResult:
+        scores = [float(s) for s in scores]
+        n = len(scores)
+        if n == 0:
+            return cls(0.0, (0.0, 0.0), [], 0, errors)
+        mean = sum(scores) / n
+        return cls(mean, confidence_interval(scores), scores, n, errors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"score": round(self.score, 6), "ci": [round(self.ci[0], 6), round(self.ci[1], 6)],
+                "n": self.n, "errors": self.errors}
+
+
+def confidence_interval(scores: Sequence[float], z: float = 1.959964) -> tuple[float, float]:
+    """95% interval of the mean: Wilson score interval for 0/1 scores, normal approximation else."""
+    n = len(scores)
+    if n == 0:
+        return (0.0, 0.0)
+    mean = sum(scores) / n
+    if all(s in (0.0, 1.0) for s in scores):
+        denom = 1 + z * z / n
+        centre = (mean + z * z / (2 * n)) / denom
+        half = z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n)) / denom
+        return (max(0.0, centre - half), min(1.0, centre + half))
+    if n == 1:
+        return (mean, mean)
+    var = sum((s - mean) ** 2 for s in scores) / (n - 1)
+    half = z * math.sqrt(var / n)
+    return (mean - half, mean + half)
+
+
+def example_key(example: Any) -> str:
+    """A stable key for an example (its fields as sorted JSON), used to memoise scores."""
+    data = example.toDict() if hasattr(example, "toDict") else dict(example)
+    text = json.dumps(data, sort_keys=True, default=repr, ensure_ascii=False)
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+def program_key(program: Any) -> str:
+    """A key that changes whenever the program's behaviour-relevant state changes."""
+    canonical = getattr(program, "canonical_json", None)
+    if callable(canonical):
+        text = canonical()
+    else:
+        try:
+            state = program.dump_state(json_mode=True)
+            for entry in state.values() if isinstance(state, dict) else ():
+                if isinstance(entry, dict):
+                    entry.pop("lm", None)  # LM clients are shared objects, not program state
+            text = type(program).__qualname__ + json.dumps(state, sort_keys=True, default=repr)
+        except Exception:  # a module whose state cannot be dumped is never memoised
+            return f"id:{id(program)}"
+        text += json.dumps({name: p.config for name, p in program.named_predictors()}, sort_keys=True, default=repr)
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+def score_prediction(metric: Metric, example: Any, prediction: Any, index: int) -> float:
+    """Run the user's metric; raise :class:`MetricError` naming the example if it misbehaves."""
+    try:
+        value = metric(example, prediction, None)
+    except FlowoptError:
+        raise
+    except Exception as err:
+        raise MetricError(
+            f"the metric raised {type(err).__name__}: {err} on example #{index} ({_short(example)})",
+            fix="make the metric handle this example (missing label field? unparsable prediction?)",
+        ) from err
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+        return float(value)
+    raise MetricError(
+        f"the metric returned {value!r} ({type(value).__name__}) on example #{index} ({_short(example)}); "
+        "it must return a bool or a finite number",
+        fix="return a float in [0, 1] or a bool from metric(example, prediction, trace=None)",
+    )
+
+
+class Evaluator:
+    """Evaluates programs in parallel threads, memoising per-example scores by program state.
+
+    The memo makes re-scoring free: the compiler scores each stage's output on the valset, and a
+    search stage that already scored that program there pays nothing again.
+    """
+
+    def __init__(self, metric: Metric, *, num_threads: int = 8, max_errors: int | None = None,
+                 quiet: bool = True) -> None:
+        self.metric = metric
+        self.num_threads = max(1, int(num_threads))
+        self.max_errors = max_errors
+        self.quiet = quiet
+        self._memo: dict[tuple[str, str], tuple[float, bool]] = {}
+        self._lock = threading.Lock()
+
+    def evaluate(self, program: Any, examples: Sequence[Any], *, desc: str | None = None,
+                 max_errors: int | None = None) -> EvalResult:
+        from tqdm.auto import tqdm
+
+        examples = list(examples)
+        limit = max_errors if max_errors is not None else self.max_errors
+        if limit is None:
+            limit = max(10, len(examples) // 2)
+        pkey = program_key(program)
+        keys = [example_key(ex) for ex in examples]
+        results: list[tuple[float, bool] | None] = [None] * len(examples)
+        todo: list[int] = []
+        with self._lock:
+            for i, k in enumerate(keys):
+                hit = self._memo.get((pkey, k))
+                if hit is not None:
+                    results[i] = hit
+                else:
+                    todo.append(i)
+        errors = [sum(1 for r in results if r is not None and r[1])]
+        stop = threading.Event()
+        bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=desc or "evaluate",
+                   disable=self.quiet, leave=False)
+
+        def one(i: int) -> tuple[float, bool]:
+            if stop.is_set():
+                raise _Stopped()
+            ex = examples[i]
+            try:
+                pred = program(**ex.inputs())
+            except (BudgetStop, WorkflowError):
+                raise
+            except Exception as err:  # a failed parse or LM error scores as a failure
+                logger.debug("example #%d failed: %s: %s", i, type(err).__name__, err)
+                with self._lock:
+                    errors[0] += 1
+                    too_many = errors[0] > limit
+                if too_many:
+                    stop.set()
+                    raise LMError(
+                        f"evaluation stopped: {errors[0]} examples failed (max_errors={limit}); "
+                        f"last error on example #{i}: {type(err).__name__}: {err}",
+                        fix="check the LM and the program on one example, or raise max_errors",
+                    ) from err
+                return (0.0, True)
+            return (score_prediction(self.metric, ex, pred, i), False)
+
+        def run(i: int) -> None:
+            outcome = one(i)
+            results[i] = outcome
+            with self._lock:
+                self._memo[(pkey, keys[i])] = outcome
+            bar.update(1)
+
+        try:
+            if self.num_threads <= 1 or len(todo) <= 1:
+                for i in todo:
+                    run(i)
+            else:
+                with ThreadPoolExecutor(max_workers=min(self.num_threads, len(todo)),
+                                        thread_name_prefix="flowopt-eval") as pool:
+                    futures = [pool.submit(contextvars.copy_context().run, run, i) for i in todo]
+                    failures: list[BaseException] = []
+                    for f in futures:
+                        try:
+                            f.result()
+                        except _Stopped:
+                            continue
+                        except BaseException as err:
+                            stop.set()  # the first failure cancels the examples not yet started
+                            failures.append(err)
+                    if failures:
+                        # A real error (metric, too many failures) says more than a budget refusal.
+                        real = [e for e in failures if not isinstance(e, BudgetStop)]
+                        raise (real or failures)[0]
+        finally:
+            bar.close()
+        done = [r for r in results if r is not None]
+        return EvalResult.from_scores([s for s, _ in done], errors=sum(1 for _, e in done if e))
+
+    def forget(self) -> None:
+        with self._lock:
+            self._memo.clear()
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _short(example: Any, limit: int = 80) -> str:
+    try:
+        text = json.dumps(dict(example.inputs()), ensure_ascii=False, default=repr)
+    except Exception:
+        text = repr(example)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+

@@ -1,0 +1,85 @@
+"""The stage interface: one object, one method, settings in a frozen dataclass.
+
+A stage improves a program: ``run(program, ctx)`` gets the best program so far (a private copy it may
+change) and returns a program. Settings are the fields of a frozen dataclass whose
+``__post_init__`` raises :class:`~flowopt.errors.ConfigError` saying how to fix a bad value; the
+simplest way is to make the stage class itself that dataclass::
+
+    @dataclass(frozen=True)
+    class MyStage(Stage):
+        name: ClassVar[str] = "mine"
+        rounds: int = 3
+
+        def __post_init__(self):
+            if self.rounds < 1:
+                raise ConfigError(f"rounds must be >= 1, got {self.rounds}", fix="pass rounds=3")
+
+        def run(self, program, ctx):
+            ...
+            return program
+
+A stage that hits the budget catches :class:`~flowopt.errors.BudgetExhausted`, returns its best
+program so far and records ``stop_reason`` (``ctx.record(stop_reason="budget: max_lm_calls")``).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import dspy
+
+    from flowopt.compiler.context import StageContext
+
+
+class Stage(abc.ABC):
+    """Base class of compile stages (``demos``, ``search``, ``structure``, ``finetune``...).
+
+    Example:
+        >>> from dataclasses import dataclass
+        >>> from typing import ClassVar
+        >>> from flowopt.compiler import Stage
+        >>> @dataclass(frozen=True)
+        ... class Identity(Stage):
+        ...     name: ClassVar[str] = "identity"
+        ...     def run(self, program, ctx):
+        ...         return program
+        >>> Identity().settings()
+        {}
+    """
+
+    name: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
+        """Return an improved program (may modify and return ``program``, which is a private copy)."""
+
+    def settings(self) -> dict[str, Any]:
+        """The stage's settings as JSON-able data (dataclass fields), recorded in the report and
+        compared on resume."""
+        if dataclasses.is_dataclass(self):
+            out = {}
+            for f in dataclasses.fields(self):
+                value = getattr(self, f.name)
+                out[f.name] = _jsonable(value)
+            return out
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
+        return f"{type(self).__name__}({args})"
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    model = getattr(value, "model", None)  # an LM: its name is its identity here
+    if isinstance(model, str):
+        return {"lm": model}
+    return type(value).__name__

@@ -1,0 +1,122 @@
+"""The stage registry: names used in ``compile(stages=[...])`` mapped to :class:`Stage` classes.
+
+Built-in stages (``labeled``, ``demos``, ``search``, ``structure``, ``finetune``, ``grpo``) and
+third-party ones are found through the ``flowopt.stages`` entry-point group, so the core never
+imports a higher layer; :func:`register_stage` adds a user's own class.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from importlib.metadata import entry_points
+from typing import Any, TypeVar
+
+from flowopt.compiler.stage import Stage
+from flowopt.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_REGISTRY: dict[str, type[Stage]] = {}
+_LOCK = threading.Lock()
+
+StageT = TypeVar("StageT", bound=type[Stage])
+
+DEFAULT_STAGES = ("demos", "search")
+
+
+def register_stage(cls: StageT) -> StageT:
+    """Register a stage class under its ``name``. Usable as a decorator.
+
+    Example:
+        >>> from dataclasses import dataclass
+        >>> from typing import ClassVar
+        >>> from flowopt.compiler import Stage, get_stage, register_stage
+        >>> @register_stage
+        ... @dataclass(frozen=True)
+        ... class Noop(Stage):
+        ...     name: ClassVar[str] = "noop"
+        ...     def run(self, program, ctx):
+        ...         return program
+        >>> get_stage("noop") is Noop
+        True
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Stage)):
+        raise ConfigError(f"{cls!r} is not a Stage subclass", fix="subclass flowopt.compiler.Stage")
+    if not cls.name:
+        raise ConfigError(f"stage class {cls.__name__} has no name", fix='set name: ClassVar[str] = "mystage"')
+    with _LOCK:
+        _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _entry_point(name: str) -> Any:
+    for ep in entry_points(group="flowopt.stages"):
+        if ep.name == name:
+            return ep
+    return None
+
+
+def get_stage(name: str) -> type[Stage]:
+    """The stage class registered as ``name``; raises :class:`ConfigError` listing the known names."""
+    with _LOCK:
+        cls = _REGISTRY.get(name)
+    if cls is not None:
+        return cls
+    ep = _entry_point(name)
+    if ep is None:
+        raise ConfigError(f"unknown stage {name!r}",
+                          fix=f"use one of {stage_names()} or register yours with flowopt.register_stage")
+    try:
+        cls = ep.load()
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"stage {name!r} is declared ({ep.value}) but cannot be loaded: {err}",
+                          fix="install the package that provides it, or pick another stage") from err
+    if not (isinstance(cls, type) and issubclass(cls, Stage)):
+        raise ConfigError(f"entry point {ep.value} for stage {name!r} is not a Stage subclass",
+                          fix="point the flowopt.stages entry point at a Stage class")
+    with _LOCK:
+        _REGISTRY.setdefault(name, cls)
+    return cls
+
+
+def stage_names() -> list[str]:
+    names = set(_REGISTRY)
+    names.update(ep.name for ep in entry_points(group="flowopt.stages"))
+    return sorted(names)
+
+
+StageSpec = Stage | str | tuple[str, Mapping[str, Any]]
+
+
+def resolve_stages(stages: Sequence[StageSpec] | None) -> list[Stage]:
+    """Turn names, ``(name, settings)`` pairs and stage objects into stage objects (default: demos, search)."""
+    if stages is None:
+        stages = DEFAULT_STAGES
+    if isinstance(stages, str | Stage):
+        stages = [stages]
+    out: list[Stage] = []
+    for spec in stages:
+        if isinstance(spec, Stage):
+            out.append(spec)
+        elif isinstance(spec, str):
+            out.append(_build(get_stage(spec), {}, spec))
+        elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], Mapping):
+            out.append(_build(get_stage(spec[0]), dict(spec[1]), spec[0]))
+        elif isinstance(spec, type) and issubclass(spec, Stage):
+            out.append(_build(spec, {}, spec.name))
+        else:
+            raise ConfigError(f"cannot use {spec!r} as a stage",
+                              fix='pass a name ("demos"), a (name, settings) pair or a Stage object')
+    if not out:
+        raise ConfigError("the stage list is empty", fix='pass stages=["demos", "search"] or leave it out')
+    return out
+
+
+def _build(cls: type[Stage], settings: dict[str, Any], name: str) -> Stage:
+    try:
+        return cls(**settings)
+    except TypeError as err:
+        raise ConfigError(f"bad settings for stage {name!r}: {err}",
+                          fix=f"check the settings against {cls.__name__}'s fields") from err
