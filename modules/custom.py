@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dspy
-from flowopt.modules.predict import Predict
 
 from flowopt.errors import ConfigError
+from flowopt.modules.predict import Predict
 from flowopt.registry import register_operator
 from flowopt.signature import SignatureSpec
 

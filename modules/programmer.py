@@ -6,10 +6,10 @@ import logging
 from typing import Any
 
 import dspy
-from flowopt.modules._fields import extend
-from flowopt.modules.sandbox import run_python
 
 from flowopt.errors import ConfigError, SandboxError
+from flowopt.modules._fields import extend
+from flowopt.modules.sandbox import run_python
 from flowopt.operator import Operator
 from flowopt.registry import register_operator
 from flowopt.signature import FieldSpec, SignatureSpec

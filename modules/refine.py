@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import dspy
-from flowopt.modules._fields import extend, render_outputs
 
 from flowopt.errors import ConfigError
+from flowopt.modules._fields import extend, render_outputs
 from flowopt.operator import Operator
 from flowopt.registry import register_operator
 from flowopt.signature import FieldSpec, SignatureSpec

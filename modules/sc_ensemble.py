@@ -7,10 +7,10 @@ from collections import Counter
 from typing import Any
 
 import dspy
-from flowopt.modules._fields import extend, render_outputs
 
 from flowopt.concurrency import map_in_context
 from flowopt.errors import ConfigError
+from flowopt.modules._fields import extend, render_outputs
 from flowopt.operator import Operator
 from flowopt.registry import register_operator
 from flowopt.signature import FieldSpec, SignatureSpec

@@ -1,8 +1,7 @@
 """draw() renders the graph for notebooks."""
 
-from flowopt.modules import ChainOfThought, Predict
-
 import flowopt
+from flowopt.modules import ChainOfThought, Predict
 
 
 def test_draw_png_and_svg(tmp_path):

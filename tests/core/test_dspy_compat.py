@@ -2,9 +2,9 @@
 
 import dspy
 from dspy.utils import DummyLM
-from flowopt.modules import ChainOfThought, Predict
 
 import flowopt
+from flowopt.modules import ChainOfThought, Predict
 
 
 def two_node_workflow() -> flowopt.Workflow:

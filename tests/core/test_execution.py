@@ -4,9 +4,9 @@ import threading
 
 import dspy
 import pytest
-from flowopt.modules import Predict
 
 import flowopt
+from flowopt.modules import Predict
 from flowopt.testing import scripted_lm
 
 

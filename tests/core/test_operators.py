@@ -2,10 +2,10 @@
 
 import dspy
 import pytest
-from flowopt.modules import ChainOfThought, Custom, Predict, Programmer, Refine, Retrieve, ScEnsemble
 
 import flowopt
 from flowopt import ConfigError, SandboxError
+from flowopt.modules import ChainOfThought, Custom, Predict, Programmer, Refine, Retrieve, ScEnsemble
 from flowopt.registry import get_operator, operator_names
 from flowopt.testing import scripted_lm
 

@@ -6,9 +6,9 @@ import random
 
 import dspy
 import pytest
-from flowopt.modules import ChainOfThought, Custom, Predict, Programmer, Refine, Retrieve, ScEnsemble
 
 import flowopt
+from flowopt.modules import ChainOfThought, Custom, Predict, Programmer, Refine, Retrieve, ScEnsemble
 from flowopt.testing import scripted_lm
 
 TYPES = ["str", "int", "float", "bool", "list[str]"]

@@ -4,10 +4,10 @@ import copy
 import json
 
 import pytest
-from flowopt.modules import ChainOfThought, Predict, Retrieve
 
 import flowopt
 from flowopt import SchemaError, UnknownOperatorError, WorkflowError
+from flowopt.modules import ChainOfThought, Predict, Retrieve
 
 
 def base() -> flowopt.Workflow:

@@ -1,0 +1,76 @@
+"""Baseline programs per benchmark protocol: ``predict``, ``cot`` and a multi-node ``workflow``.
+
+Example:
+    >>> from flowopt.benchmarks.programs import build_program, program_names
+    >>> program_names("gsm8k-aflow")
+    ['cot', 'predict', 'workflow']
+    >>> build_program("hotpotqa-aflow", "workflow").node_ids
+    ['retrieve', 'answer']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flowopt import Workflow
+from flowopt.errors import ConfigError
+from flowopt.modules import ChainOfThought, Predict, Programmer, Refine, Retrieve
+
+from .datasets import get_protocol
+
+
+def _gsm8k(kind: str) -> Workflow:
+    wf = Workflow("question -> answer", name=f"gsm8k-{kind}")
+    if kind == "predict":
+        return wf.add("solve", Predict("question -> answer"))
+    if kind == "cot":
+        return wf.add("solve", ChainOfThought("question -> answer"))
+    # Reason and compute independently (they run concurrently), then pick the answer.
+    return (wf.add("reason", ChainOfThought("question -> reasoned_answer"))
+              .add("compute", Programmer("question -> computed_answer", on_failure="empty"))
+              .add("select", Predict(
+                  "question, reasoned_answer, computed_answer -> answer",
+                  "Two methods answered a math word problem; computed_answer is empty when the program "
+                  "failed. Give the final numeric answer.")))
+
+
+def _hotpot_context(kind: str) -> Workflow:
+    wf = Workflow("question, context: list[str] -> answer", name=f"hotpotqa-{kind}")
+    if kind == "predict":
+        return wf.add("answer", Predict("question, context: list[str] -> answer"))
+    if kind == "cot":
+        return wf.add("answer", ChainOfThought("question, context: list[str] -> answer"))
+    return (wf.add("retrieve", Retrieve(k=4))
+              .add("answer", ChainOfThought("question, passages: list[str] -> answer",
+                                            "Answer with a short span (a few words) supported by the passages.")))
+
+
+def _hotpot_closedbook(kind: str) -> Workflow:
+    wf = Workflow("question -> answer", name=f"hotpotqa-closedbook-{kind}")
+    if kind == "predict":
+        return wf.add("answer", Predict("question -> answer"))
+    if kind == "cot":
+        return wf.add("answer", ChainOfThought("question -> answer"))
+    return wf.add("answer", Refine("question -> answer", "Answer with a short span (a few words).", max_rounds=1))
+
+
+_BUILDERS: dict[str, Callable[[str], Workflow]] = {
+    "gsm8k-dspy": _gsm8k,
+    "gsm8k-aflow": _gsm8k,
+    "hotpotqa-aflow": _hotpot_context,
+    "hotpotqa-closedbook": _hotpot_closedbook,
+}
+PROGRAMS = ("cot", "predict", "workflow")
+
+
+def program_names(protocol: str) -> list[str]:
+    get_protocol(protocol)
+    return list(PROGRAMS)
+
+
+def build_program(protocol: str, name: str) -> Workflow:
+    """A fresh baseline program for ``protocol`` (``predict``, ``cot`` or ``workflow``)."""
+    proto = get_protocol(protocol)
+    if name not in PROGRAMS:
+        raise ConfigError(f"unknown program {name!r} for {proto.name}", fix=f"use one of {list(PROGRAMS)}")
+    return _BUILDERS[proto.name](name)
