@@ -1,0 +1,111 @@
+"""The search tree: candidate workflows (as IR data), the edits between them, scores and visit counts.
+
+Plain data all the way down, so the whole tree is one JSON document: it is the checkpoint, the report's
+tree, and the input of :mod:`~flowopt.optimizers.structure.draw`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def workflow_key(canonical_json: str) -> str:
+    """Short, stable cache key of a workflow's canonical JSON."""
+    return hashlib.sha256(canonical_json.encode("utf-8")).hexdigest()[:32]
+
+
+@dataclass
+class TreeNode:
+    """One candidate workflow: the edit that made it from its parent, its score and statistics."""
+
+    id: int
+    parent: int | None
+    edit: dict[str, Any] | None
+    description: str
+    key: str
+    workflow: dict[str, Any]
+    score: float | None = None
+    depth: int = 0
+    round: int = 0
+    evaluation: int | None = None  # index of the evaluation that scored it (1-based)
+    visits: int = 0
+    value_sum: float = 0.0
+    children: list[int] = field(default_factory=list)
+    tried: list[dict[str, Any]] = field(default_factory=list)  # {"edit", "delta", "child" | "duplicate_of"}
+    exhausted: bool = False
+
+    @property
+    def mean_value(self) -> float:
+        return self.value_sum / self.visits if self.visits else (self.score or 0.0)
+
+
+@dataclass
+class SearchTree:
+    """All nodes by id (``nodes[i].id == i``); node 0 is the initial workflow.
+
+    Example:
+        >>> tree = SearchTree()
+        >>> root = tree.add(None, None, "initial", "k0", {}, score=0.5)
+        >>> tree.best().id, tree.top_k_mean(3)
+        (0, 0.5)
+    """
+
+    nodes: list[TreeNode] = field(default_factory=list)
+
+    def add(self, parent: int | None, edit: dict[str, Any] | None, description: str, key: str,
+            workflow: dict[str, Any], *, score: float | None = None, round: int = 0,
+            evaluation: int | None = None) -> TreeNode:
+        depth = 0 if parent is None else self.nodes[parent].depth + 1
+        node = TreeNode(len(self.nodes), parent, edit, description, key, workflow, score, depth, round, evaluation)
+        self.nodes.append(node)
+        if parent is not None:
+            self.nodes[parent].children.append(node.id)
+        return node
+
+    def by_key(self, key: str) -> TreeNode | None:
+        return next((n for n in self.nodes if n.key == key), None)
+
+    def scored(self) -> list[TreeNode]:
+        return [n for n in self.nodes if n.score is not None]
+
+    def best(self) -> TreeNode:
+        """Highest score; the earliest node wins ties (fewer edits, found first)."""
+        return max(self.scored(), key=lambda n: (n.score, -n.id))
+
+    def top_k_mean(self, k: int) -> float:
+        scores = sorted((n.score for n in self.scored()), reverse=True)[:k]  # type: ignore[type-var]
+        return sum(scores) / len(scores) if scores else 0.0  # type: ignore[arg-type]
+
+    def path(self, node_id: int) -> list[TreeNode]:
+        """Nodes from the root to ``node_id``."""
+        out = []
+        current: int | None = node_id
+        while current is not None:
+            out.append(self.nodes[current])
+            current = self.nodes[current].parent
+        return out[::-1]
+
+    def backpropagate(self, node_id: int, value: float) -> None:
+        for node in self.path(node_id):
+            node.visits += 1
+            node.value_sum += value
+
+    def subtree_exhausted(self, node_id: int) -> bool:
+        node = self.nodes[node_id]
+        return node.exhausted and all(self.subtree_exhausted(c) for c in node.children)
+
+    def to_dict(self, *, with_workflows: bool = True) -> dict[str, Any]:
+        nodes = []
+        for node in self.nodes:
+            data = dataclasses.asdict(node)
+            if not with_workflows:
+                data.pop("workflow")
+            nodes.append(data)
+        return {"nodes": nodes}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SearchTree:
+        return cls([TreeNode(**node) for node in data["nodes"]])
