@@ -41,6 +41,13 @@ def _lm_objects(program: Any) -> list[Any]:
 def clone_program(program: Any) -> Any:
     """A deep copy whose LM clients are shared with the original (they hold connections and caches)."""
     memo: dict[int, Any] = {id(lm): lm for lm in _lm_objects(program)}
+    # DSPy appends every LM call to each calling module's ``history``: copying it would be slow and
+    # would make copies look busier than they are. Each copy starts with empty histories.
+    modules = [program, *(m for _, m in program.named_sub_modules())]
+    for module in modules:
+        history = module.__dict__.get("history")
+        if isinstance(history, list):
+            memo[id(history)] = []
     return copy.deepcopy(program, memo)
 
 
