@@ -10,6 +10,7 @@ a bounded number of times.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import random
@@ -241,7 +242,7 @@ def vocabulary_text(vocabulary: Vocabulary) -> str:
     for kind, cls in sorted(edit_kinds().items()):
         if kind not in vocabulary.kinds:
             continue
-        params = [f.name for f in cls.__dataclass_fields__.values()]
+        params = [f.name for f in dataclasses.fields(cls)]
         doc = (cls.__doc__ or "").strip().splitlines()[0]
         lines.append(f"- {kind}({', '.join(params)}): {doc}")
     lines.append(f"Limits: n in {list(vocabulary.ensemble_sizes)}, max_rounds in {list(vocabulary.refine_rounds)}, "

@@ -1,0 +1,157 @@
+"""The ``structure`` compile stage: MCTS over typed edits of a ``Workflow``, under the shared budget."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from flowopt.compiler.stage import Stage
+from flowopt.errors import BudgetExhausted, ConfigError, LMError
+from flowopt.optimizers.structure.proposers import LMProposer, Proposer, RuleProposer, Vocabulary
+from flowopt.optimizers.structure.search import MCTS, Evaluation, SearchSettings
+from flowopt.workflow import Workflow
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("trainset", "valset")
+
+
+@dataclass(frozen=True)
+class StructureSearch(Stage):
+    """Search the workflow's structure: select a node of the tree, apply one edit, score it, repeat.
+
+    ``proposer="rule"`` enumerates edits (no optimizer LM); ``"lm"`` asks ``optimizer_lm`` (any dspy LM;
+    default: the configured one) for an edit as structured output. ``split`` is the search split
+    (the compiler reports on the valset). The tree is checkpointed every round (``tree.json`` in the
+    stage folder) and resumed; the report gets the winning edits, the tree and a picture
+    (``tree.png``).
+
+    Example:
+        >>> from flowopt.optimizers.structure import StructureSearch
+        >>> StructureSearch(max_rounds=10, selection="uct").settings()["selection"]
+        'uct'
+    """
+
+    name: ClassVar[str] = "structure"
+    max_rounds: int = 20
+    max_evaluations: int | None = None
+    selection: str = "mixed"
+    top_k: int = 4
+    alpha: float = 0.2
+    lambda_: float = 0.3
+    uct_c: float = 1.4
+    convergence_rounds: int | None = 8
+    repeats: int = 1
+    proposer: str = "rule"
+    optimizer_lm: Any = None
+    max_attempts: int = 3
+    max_nodes: int = 8
+    edit_kinds: tuple[str, ...] | None = None
+    ensemble_sizes: tuple[int, ...] = (3, 5)
+    refine_rounds: tuple[int, ...] = (1, 2)
+    split: str = "trainset"
+    max_examples: int | None = None
+    draw: bool = True
+
+    def __post_init__(self) -> None:
+        if self.proposer not in ("rule", "lm"):
+            raise ConfigError(f"proposer must be 'rule' or 'lm', got {self.proposer!r}",
+                              fix='pass proposer="rule" (no optimizer LM) or proposer="lm"')
+        if self.split not in SPLITS:
+            raise ConfigError(f"split must be one of {SPLITS}, got {self.split!r}", fix='pass split="trainset"')
+        if self.max_examples is not None and (not isinstance(self.max_examples, int) or self.max_examples < 1):
+            raise ConfigError(f"max_examples must be an int >= 1 or None, got {self.max_examples!r}",
+                              fix="pass max_examples=50, or None for the whole split")
+        if not isinstance(self.max_nodes, int) or self.max_nodes < 1:
+            raise ConfigError(f"max_nodes must be an int >= 1, got {self.max_nodes!r}", fix="pass max_nodes=8")
+        self.search_settings()  # checks the search settings now, not at run time
+        self.vocabulary()
+
+    def search_settings(self) -> SearchSettings:
+        return SearchSettings(max_rounds=self.max_rounds, selection=self.selection, top_k=self.top_k,
+                              alpha=self.alpha, lambda_=self.lambda_, uct_c=self.uct_c,
+                              convergence_rounds=self.convergence_rounds, repeats=self.repeats,
+                              max_evaluations=self.max_evaluations)
+
+    def vocabulary(self) -> Vocabulary:
+        kinds = Vocabulary().kinds if self.edit_kinds is None else tuple(self.edit_kinds)
+        return Vocabulary(kinds=kinds, ensemble_sizes=tuple(self.ensemble_sizes),
+                          refine_rounds=tuple(self.refine_rounds), max_nodes=self.max_nodes)
+
+    def make_proposer(self) -> Proposer:
+        if self.proposer == "lm":
+            return LMProposer(self.optimizer_lm, vocabulary=self.vocabulary(), max_attempts=self.max_attempts)
+        return RuleProposer(self.vocabulary())
+
+    def run(self, program: Any, ctx: Any) -> Any:
+        if not isinstance(program, Workflow):
+            raise ConfigError(f"structure search needs a flowopt.Workflow, got {type(program).__name__}",
+                              fix="declare the program as a Workflow, or leave 'structure' out of the stages")
+        examples = list(getattr(ctx, self.split) or ctx.trainset)
+        if self.max_examples is not None:
+            examples = examples[: self.max_examples]
+        if not examples:
+            raise ConfigError("structure search has no examples to score candidates on",
+                              fix="pass a non-empty trainset (or valset with split='valset')")
+
+        def evaluate(workflow: Workflow) -> Evaluation:
+            try:
+                result = ctx.evaluate(workflow, examples, desc="structure candidate")
+            except LMError as err:
+                # Too many examples failed (e.g. the LM cannot follow a new operator's format): the
+                # candidate scores 0 like any failed example would, and the search goes on.
+                logger.info("structure candidate failed to run: %s", err)
+                return Evaluation(0.0, [{"error": str(err)[:500]}])
+            failures = [{**ex.toDict(), "score": s} for ex, s in zip(examples, result.scores) if s < 1.0][:5]
+            return Evaluation(result.score, _jsonable(failures))
+
+        checkpoint = _ContextCheckpoint(ctx) if ctx.run_dir is not None else None
+        search = MCTS(self.make_proposer(), evaluate, self.search_settings(), seed=ctx.seed, checkpoint=checkpoint,
+                      resume=bool(ctx.resume), should_stop=ctx.budget.exhausted)
+        try:
+            result = search.run(program)
+        except BudgetExhausted as err:
+            # Not even the starting workflow could be scored: hand it back unchanged.
+            ctx.record(stop_reason=f"budget: {err.limit}", candidates_tried=0)
+            return program
+        stop = result.stop_reason
+        if stop.startswith("budget exhausted"):
+            stop = "budget: " + stop[len("budget exhausted ("):-1]
+        ctx.record(
+            candidates_tried=result.evaluations, rounds=result.rounds, stop_reason=stop,
+            search_score=round(result.best_score, 6), initial_score=result.tree.nodes[0].score,
+            edits=[e.to_dict() for e in result.edits], edit_descriptions=[e.describe() for e in result.edits],
+            tree=result.tree.to_dict(with_workflows=False),
+        )
+        if ctx.run_dir is not None and self.draw:
+            try:
+                from flowopt.optimizers.structure.draw import draw_tree
+
+                path = ctx.run_dir / "tree.png"
+                draw_tree(result.tree, path=path, best=result.best_node)
+                ctx.record(tree_picture=str(path))
+            except Exception as err:  # a picture is a nicety; never fail a compile over it
+                logger.warning("could not draw the search tree: %s", err)
+        best = result.best
+        best.meta = {**best.meta, "structure_edits": [e.to_dict() for e in result.edits]}
+        return best
+
+
+class _ContextCheckpoint:
+    """The search's checkpoint in the stage folder, through the context (atomic JSON)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def save(self, data: dict[str, Any]) -> None:
+        self.ctx.save_checkpoint("tree", data)
+
+    def load(self) -> dict[str, Any] | None:
+        return self.ctx.load_checkpoint("tree")
+
+
+def _jsonable(value: Any) -> Any:
+    import json
+
+    return json.loads(json.dumps(value, default=str))
