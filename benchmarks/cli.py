@@ -1,0 +1,69 @@
+"""The ``flowopt`` command: ``flowopt bench ...`` runs a benchmark, ``flowopt serve ...`` serves a local model.
+
+The entry point lives in the top layer because ``bench`` needs every layer below it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from flowopt.errors import FlowoptError
+
+logger = logging.getLogger("flowopt")
+
+
+def bench_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
+    description = "Score a baseline program, compile it, and score the compiled program on the report split."
+    parser = (sub.add_parser("bench", help="run a benchmark protocol", description=description)
+              if sub is not None else argparse.ArgumentParser(prog="flowopt bench", description=description))
+    parser.add_argument("protocol", nargs="?", help="gsm8k-dspy, gsm8k-aflow, hotpotqa-aflow, hotpotqa-closedbook")
+    parser.add_argument("--list", action="store_true", help="list protocols and programs, then exit")
+    parser.add_argument("--lm", default="gemma-3-270m",
+                        help="model: gemma-3-270m (embedded, CPU), a local model folder, or any litellm "
+                             "name such as openai/gpt-4o-mini (default: %(default)s)")
+    parser.add_argument("--api-base", default=None, help="OpenAI-compatible endpoint (vLLM, Ollama, flowopt serve)")
+    parser.add_argument("--program", default="cot", help="predict, cot or workflow (default: %(default)s)")
+    parser.add_argument("--stages", default="demos,search",
+                        help="comma-separated compile stages, or 'none' (default: %(default)s)")
+    parser.add_argument("--train", type=int, default=20, help="training examples (default: %(default)s)")
+    parser.add_argument("--dev", type=int, default=20, help="validation examples for compile (default: %(default)s)")
+    parser.add_argument("--test", type=int, default=50, help="report-split examples (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=4, help="parallel evaluation threads")
+    parser.add_argument("--max-lm-calls", type=int, default=None, help="compile budget: LM calls")
+    parser.add_argument("--max-cost-usd", type=float, default=None, help="compile budget: dollars")
+    parser.add_argument("--max-wall-s", type=float, default=None, help="compile budget: wall time")
+    parser.add_argument("--out", default="runs/bench", help="output folder (default: %(default)s)")
+    parser.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="flowopt", description="flowopt: a compiler for LLM programs")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench_parser(sub)
+    sub.add_parser("serve", help="serve a local model over an OpenAI-compatible API (see flowopt serve -h)",
+                   add_help=False)
+    if argv[:1] == ["serve"]:  # serve owns its arguments
+        from flowopt.lm.serve import cli_main
+
+        return cli_main(argv[1:])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        from flowopt.benchmarks.runner import run_bench
+
+        return run_bench(args)
+    except FlowoptError as err:
+        logger.error("%s", err)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
