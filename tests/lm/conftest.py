@@ -1,0 +1,75 @@
+"""Shared fixtures: a tiny randomly initialised Gemma-3-architecture model with a tokenizer trained here.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained on a few sentences in a fraction of a
+second, the model is built from a config with a fixed seed and saved with ``save_pretrained``, so the
+tests load it through the same code path as a real checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+CORPUS = [
+    "Question: What is two plus two?\nAnswer: four",
+    "Given the fields `question`, produce the fields `answer`.",
+    "Reasoning: Let's think step by step. The farmer has three cows and buys five more.",
+    "The quick brown fox jumps over the lazy dog. A stitch in time saves nine.",
+    "---\nSystem: You are helpful.\nUser: hello there\nAssistant: hi, how can I help?",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 42 100 and symbols [[ ## ]] $ % , . ; : ! ?",
+]
+
+
+def build_tiny_model(folder: Path, *, seed: int = 0) -> Path:
+    """Save a tiny Gemma 3 text model and its tokenizer into ``folder`` (about 1 MB, under a second).
+
+    Untied output embeddings: with tied ones a random model just repeats its last token.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<eos>", "<bos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<pad>")
+    config = Gemma3TextConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+        sliding_window=16, layer_types=["sliding_attention", "full_attention"], initializer_range=0.2,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-gemma") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_local(tiny_model_dir: Path):
+    """One shared LocalLM over the tiny model; tests that attach adapters build their own."""
+    from flowopt.lm import LocalLM
+
+    local = LocalLM(tiny_model_dir, device="cpu", max_new_tokens=12, batch_wait_ms=30)
+    yield local
+    local.close()
+
+
+@pytest.fixture
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
