@@ -120,9 +120,7 @@ def bootstrap_pool(program: dspy.Module, ctx: StageContext, *, successes: int, m
         if saved is not None and saved.get("key") == key:
             pool = DemoPool(key, saved["order"], saved["records"])
     if pool is None:
-        order = list(range(len(ctx.trainset)))
-        random.Random(f"flowopt-bootstrap:{ctx.seed}").shuffle(order)
-        pool = DemoPool(key, order)
+        pool = DemoPool(key, list(range(len(ctx.trainset))))  # trainset order, as DSPy bootstraps
     ctx.shared[f"demo_pool:{key}"] = pool
     pool.exhausted_by = None
     names = {id(p): n for n, p in teacher.named_predictors()}

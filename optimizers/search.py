@@ -41,7 +41,8 @@ class RandomSearch(Stage):
 
     Settings:
         n_candidates: candidates to try, counting the incumbent (tried first) and pruned ones.
-        max_demos: demos per predictor, at most; each candidate picks 0..max_demos from the pool.
+        max_demos: demos per predictor; each candidate fills max_demos slots from the pool.
+        search_k: also search how many demos to show (0..max_demos) instead of always max_demos.
         pool_size: bootstrapped training runs to collect as the demo pool.
         max_labeled_demos: labeled demos in the teacher that bootstraps the pool.
         sampler: ``"random"`` or ``"tpe"``.
@@ -65,6 +66,7 @@ class RandomSearch(Stage):
     name: ClassVar[str] = "search"
     n_candidates: int = 16
     max_demos: int = 4
+    search_k: bool = False
     pool_size: int = 16
     max_labeled_demos: int = 16
     metric_threshold: float | None = None
@@ -254,6 +256,7 @@ class _Space:
         self.current_demos: dict[str, int] = {}
         self.instructions: dict[str, list[str]] = {}
         self.max_demos = 0
+        self.search_k = False
         self.temps: dict[str, list[float | None]] = {}
         self.ensemble: dict[str, list[int]] = {}
         self.pool_exhausted_by: str | None = None
@@ -262,6 +265,7 @@ class _Space:
     def build(cls, stage: RandomSearch, program: dspy.Module, ctx: StageContext) -> _Space:
         space = cls()
         space.max_demos = stage.max_demos
+        space.search_k = stage.search_k
         named = program.named_predictors()
         space.predictors = [n for n, _ in named]
         pool = bootstrap_pool(program, ctx, successes=stage.pool_size, max_labeled_demos=stage.max_labeled_demos,
@@ -297,7 +301,8 @@ class _Space:
         for i, name in enumerate(self.predictors):
             k = min(self.current_demos[name], self.max_demos)
             if self.pools[name] and self.max_demos:
-                params[f"p{i}.k"] = k
+                if self.search_k:
+                    params[f"p{i}.k"] = k
                 for j in range(self.max_demos):
                     params[f"p{i}.d{j}"] = j if j < k else 0
             if len(self.instructions[name]) > 1:
@@ -317,7 +322,7 @@ class _Space:
             predictor = named[name]
             pool = self.pools[name]
             if pool and self.max_demos:
-                k = get("int", f"p{i}.k", 0, self.max_demos)
+                k = get("int", f"p{i}.k", 0, self.max_demos) if self.search_k else self.max_demos
                 chosen: list[int] = []
                 for j in range(self.max_demos):
                     idx = get("cat", f"p{i}.d{j}", list(range(len(pool))))

@@ -18,7 +18,7 @@ def main() -> None:
     run_dir, call_log, out_path = sys.argv[1:4]
     resume = "--resume" in sys.argv
     import dspy
-    from fakes import CATS, examples, exact, reverse_answer
+    from fakes import CATS, exact, examples, reverse_answer
 
     import flowopt
     from flowopt.modules import Predict

@@ -6,7 +6,7 @@ import json
 
 import dspy
 import pytest
-from fakes import demo_task_lm, examples, exact
+from fakes import demo_task_lm, exact, examples
 
 import flowopt
 from flowopt import Budget, BudgetExhausted, ConfigError, DataError, MetricError

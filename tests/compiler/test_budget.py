@@ -6,7 +6,7 @@ import time
 
 import dspy
 import pytest
-from fakes import category_lm, demo_task_lm, examples, exact
+from fakes import category_lm, demo_task_lm, exact, examples
 
 import flowopt
 from flowopt import Budget

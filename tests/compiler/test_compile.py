@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import dspy
 import pytest
-from fakes import demo_task_lm, examples, exact
+from fakes import demo_task_lm, exact, examples
 
 import flowopt
 from flowopt.compiler import CompileReport, Stage, StageContext, get_stage, register_stage
