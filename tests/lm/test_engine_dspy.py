@@ -1,0 +1,89 @@
+"""The DSPy side: custom engine contract, DSPy's cache and n fan-out, specs and DSPy state files."""
+
+from __future__ import annotations
+
+import dspy
+import pytest
+
+from flowopt.errors import ConfigError
+from flowopt.lm import CompletionAdapter, LocalDSPyLM, LocalEngine, adapter_for, lm_from_spec, local_of
+
+
+@pytest.fixture
+def counted(tiny_local, monkeypatch):
+    """Count the generations that reach the model."""
+    calls = []
+    original = tiny_local.complete_ids
+
+    def counting(prompt_ids, settings):
+        calls.append(settings)
+        return original(prompt_ids, settings)
+
+    monkeypatch.setattr(tiny_local, "complete_ids", counting)
+    return calls
+
+
+def test_lm_is_a_dspy_lm_with_a_custom_engine(tiny_local):
+    lm = tiny_local.lm
+    assert isinstance(lm, dspy.LM) and isinstance(lm, LocalDSPyLM)
+    assert isinstance(lm.engine, LocalEngine)
+    assert local_of(lm) is tiny_local and local_of(dspy.LM("openai/gpt-4o-mini")) is None
+    assert lm.model.startswith("local/tiny@")  # a folder model: the tag names these exact weights
+
+
+def test_a_repeated_request_is_served_from_dspys_cache(tiny_local, counted):
+    dspy.configure(lm=tiny_local.lm, adapter=adapter_for(tiny_local.lm))
+    predict = dspy.Predict("question -> answer")
+    first = predict(question="What is the capital of France?")
+    reached = len(counted)
+    assert reached >= 1
+    second = predict(question="What is the capital of France?")
+    assert len(counted) == reached  # nothing new reached the engine
+    assert second.answer == first.answer
+
+
+def test_n_fans_out_to_one_engine_call_per_candidate(tiny_local, counted):
+    outputs = tiny_local.lm("hello there", n=3, temperature=1.0, cache=False)
+    assert len(outputs) == 3 and len(counted) == 3
+    assert all(s.temperature == 1.0 for s in counted)
+
+
+def test_request_settings_reach_the_generation(tiny_local, counted):
+    tiny_local.lm("hello", temperature=0.5, max_tokens=3, stop=["zz"], seed=7, top_p=0.9, cache=False)
+    row = counted[-1]
+    assert (row.temperature, row.max_new_tokens, row.stop, row.seed, row.top_p) == (0.5, 3, ("zz",), 7, 0.9)
+
+
+def test_base_models_get_the_completion_adapter(tiny_local):
+    assert tiny_local.is_base
+    assert isinstance(adapter_for(tiny_local.lm), CompletionAdapter)
+    assert isinstance(adapter_for(dspy.LM("openai/gpt-4o-mini")), dspy.ChatAdapter)
+
+
+def test_spec_round_trip_and_shared_weights(tiny_local, tiny_model_dir):
+    spec = tiny_local.lm.copy(temperature=0.3).to_spec()
+    assert spec["model"] == "local/tiny" and spec["source"] == str(tiny_model_dir.resolve())
+    assert spec["temperature"] == 0.3 and spec["adapter"] is None
+    lm_a = lm_from_spec(spec)
+    lm_b = lm_from_spec({**spec, "temperature": 0.0})
+    assert local_of(lm_a) is local_of(lm_b)  # one copy of the weights per process
+    assert lm_a.kwargs["temperature"] == 0.3 and lm_b.kwargs["temperature"] == 0.0
+    assert lm_a("hello", cache=False, temperature=0.0) == tiny_local.lm("hello", cache=False, temperature=0.0)
+
+
+def test_spec_errors_are_config_errors(tiny_model_dir):
+    from flowopt.lm import LocalLM
+
+    with pytest.raises(ConfigError, match="unknown settings"):
+        LocalLM.from_spec({"model": "local/tiny", "source": str(tiny_model_dir), "temprature": 1})
+    with pytest.raises(ConfigError, match="no local model"):
+        LocalLM("/nonexistent/folder")
+
+
+def test_dspy_state_files_record_the_spec_and_load_back(tiny_local):
+    state = tiny_local.lm.dump_state()
+    assert state["engine"]["class"] == "flowopt.lm.engine:LocalEngine"
+    assert state["engine"]["state"]["source"] == tiny_local.source
+    engine = LocalEngine.load_state(state["engine"]["state"])
+    assert engine.local.source == tiny_local.source
+    assert "api_key" not in str(state)
