@@ -1,0 +1,72 @@
+"""What both weights stages share: picking the student, its DSPy adapter, seeding, saving the adapter."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import dspy
+
+from flowopt.optimizers.weights.policy import LoraSettings, Policy
+from flowopt.optimizers.weights.student import attach, find_local
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STUDENT = "gemma-3-270m"
+
+
+def resolve_policy(student: Any, program: dspy.Module, lora: LoraSettings) -> tuple[Policy, str | None]:
+    """The policy to train and the adapter to start from (the one the program already runs with).
+
+    ``student=None`` trains the LocalLM the program already uses, else the embedded Gemma 3 270M.
+    """
+    local = find_local(program)
+    if student is None:
+        student = local if local is not None else DEFAULT_STUDENT
+    policy = Policy.from_student(student, lora=lora)
+    start = None
+    if local is not None and local is policy.local:
+        start = local.active_adapter  # continue from an earlier weights stage
+    return policy, start
+
+
+def rollout_adapter(adapter: Any, policy: Policy) -> Any:
+    """The DSPy adapter the student runs with: the one given, else LocalLM's choice for this model."""
+    if adapter is not None:
+        return adapter
+    try:
+        from flowopt.lm import adapter_for
+    except ImportError:
+        return None
+    return adapter_for(policy.local.lm) if callable(adapter_for) else None
+
+
+def torch_generator(policy: Policy, seed: int) -> Any:
+    import torch
+
+    device = policy.device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed & (2**63 - 1))
+    return gen
+
+
+def adapter_name(stage: str, ctx: Any) -> str:
+    return (getattr(ctx, "stage_name", "") or stage).replace("/", "-")
+
+
+def finish(program: dspy.Module, policy: Policy, ctx: Any, stage: str) -> tuple[dspy.Module, dict[str, Any]]:
+    """Save the adapter (under the stage's run folder, else a temporary folder) and bind it to the program."""
+    import tempfile
+
+    if ctx.run_dir is not None:
+        folder = Path(ctx.run_dir) / "adapter"
+        run_root = Path(ctx.run_dir).parent
+    else:
+        folder = Path(tempfile.mkdtemp(prefix=f"flowopt-{stage}-")) / "adapter"
+        run_root = None
+    folder, sha = policy.save_adapter(folder)
+    attach(program, policy.local, adapter_dir=folder, sha256=sha, run_root=run_root)
+    info = {"adapter": str(folder), "adapter_sha256": sha, "student": policy.local.name}
+    logger.info("%s: adapter saved to %s (sha256 %s)", stage, folder, sha[:12])
+    return program, info

@@ -1,0 +1,248 @@
+"""The GRPO stage: reinforcement learning of the student's LoRA on whole-program rollouts.
+
+Per step: draw ``batch_size`` training examples, run the program ``group_size`` times on each at
+``temperature`` (every LM call recorded as a transition), reward each rollout, turn the rewards into
+group-relative advantages, give each rollout's advantage to every one of its transitions, and make
+``passes`` clipped-surrogate updates. Checkpoints (adapter, optimizer, reward curve) go to the stage's
+run folder every ``checkpoint_every`` steps; ``resume=True`` continues from the last one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import dspy
+
+from flowopt.compiler.stage import Stage
+from flowopt.errors import BudgetExhausted, ConfigError
+from flowopt.optimizers.weights.advantages import SCALINGS, group_advantages
+from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter, torch_generator
+from flowopt.optimizers.weights.learner import GRPOLearner, ScoredTransition
+from flowopt.optimizers.weights.loss import AGGREGATIONS
+from flowopt.optimizers.weights.optim import check_schedule
+from flowopt.optimizers.weights.policy import LoraSettings, Policy
+from flowopt.optimizers.weights.rewards import NodeReward, score_rollout
+from flowopt.optimizers.weights.rollout import Rollout, run_rollouts
+
+logger = logging.getLogger(__name__)
+
+
+def _positive(name: str, value: float, fix: str) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}", fix=fix)
+
+
+@dataclass(frozen=True)
+class GRPO(Stage):
+    """GRPO on the student ``LocalLM`` (LoRA), with transition-level credit over whole programs.
+
+    ``student=None`` trains the local model the program already runs on (continuing an earlier
+    weights stage's adapter), else the embedded Gemma 3 270M. ``scaling``: advantage divisor
+    ("group", "batch" or "none"); ``aggregation``: "grpo" (per-sequence mean) or "dapo" (token mean);
+    ``beta`` > 0 adds the k3 KL to the adapter-disabled model.
+
+    Example:
+        >>> import flowopt
+        >>> from flowopt.optimizers.weights import GRPO
+        >>> stage = GRPO(steps=50, batch_size=4, group_size=8, temperature=1.0, beta=0.04)
+        >>> compiled = flowopt.compile(program, trainset, metric, stages=[stage])  # doctest: +SKIP
+        >>> compiled.report.stages[-1].info["reward_curve"][:2]  # doctest: +SKIP
+    """
+
+    name: ClassVar[str] = "grpo"
+
+    student: Any = None
+    steps: int = 20
+    batch_size: int = 4
+    group_size: int = 4
+    temperature: float = 1.0
+    max_new_tokens: int = 128
+    learning_rate: float = 5e-5
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    scaling: str = "group"
+    aggregation: str = "dapo"
+    passes: int = 1
+    micro_batch_size: int = 8
+    max_grad_norm: float | None = 1.0
+    node_rewards: Mapping[str, NodeReward] | None = None
+    format_penalty: float = 1.0
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    adapter: Any = None
+    checkpoint_every: int = 5
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "group_size", "max_new_tokens", "passes", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", fix=f"pass {name}=1 or more")
+        if self.group_size < 2:
+            raise ConfigError(f"group_size must be >= 2 to compare rollouts, got {self.group_size}",
+                              fix="pass group_size=4 or more")
+        _positive("temperature", self.temperature, "pass temperature=1.0 (rollouts must sample)")
+        _positive("learning_rate", self.learning_rate, "pass learning_rate=5e-5")
+        _positive("epsilon", self.epsilon, "pass epsilon=0.2")
+        if self.epsilon_high is not None:
+            _positive("epsilon_high", self.epsilon_high, "pass epsilon_high=0.28 (DAPO) or None")
+        if self.beta < 0:
+            raise ConfigError(f"beta must be >= 0, got {self.beta}", fix="pass beta=0.0 (no KL) or e.g. 0.04")
+        if self.scaling not in SCALINGS:
+            raise ConfigError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}", fix="pass scaling='group'")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}",
+                              fix="pass aggregation='dapo'")
+        if self.max_grad_norm is not None:
+            _positive("max_grad_norm", self.max_grad_norm, "pass max_grad_norm=1.0 or None")
+        if self.format_penalty < 0:
+            raise ConfigError(f"format_penalty must be >= 0, got {self.format_penalty}", fix="pass format_penalty=1.0")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}",
+                              fix="pass checkpoint_every=5 (0: only at the end)")
+        check_schedule(self.lr_schedule, self.warmup_steps)
+        if self.node_rewards is not None and not all(callable(f) for f in self.node_rewards.values()):
+            raise ConfigError("node_rewards must map node ids to functions (example, inputs, outputs) -> float",
+                              fix="pass node_rewards={'solve': lambda ex, inputs, outputs: 0.1}")
+
+    # ------------------------------------------------------------------ the stage
+    def run(self, program: dspy.Module, ctx: Any) -> dspy.Module:
+        if not ctx.trainset:
+            raise ConfigError("GRPO needs training examples, the trainset is empty", fix="pass a non-empty trainset")
+        policy, start_from = resolve_policy(self.student, program, self.lora)
+        name = adapter_name(self.name, ctx)
+        policy.start_adapter(name, init_from=start_from if start_from != name else None)
+        learner = GRPOLearner(
+            policy, total_steps=self.steps, learning_rate=self.learning_rate, weight_decay=self.weight_decay,
+            lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps, epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high, beta=self.beta, aggregation=self.aggregation, passes=self.passes,
+            micro_batch_size=self.micro_batch_size, max_grad_norm=self.max_grad_norm, temperature=self.temperature)
+        curve: list[dict[str, Any]] = []
+        first = self._resume(ctx, policy, learner, curve)
+        adapter = rollout_adapter(self.adapter, policy)
+        stop_reason = "steps"
+        started = time.monotonic()
+        progress = ctx.progress(total=self.steps, desc="grpo") if hasattr(ctx, "progress") else None
+        if progress is not None:
+            progress.update(first)
+        try:
+            for step in range(first, self.steps):
+                ctx.budget.check()
+                with ctx.budget.guard():
+                    point = self._step(step, program, ctx, policy, learner, adapter)
+                curve.append(point)
+                ctx.logger.info("grpo step %d/%d: reward %.3f (+/- %.3f), loss %.4f, failures %d",
+                                step + 1, self.steps, point["mean_reward"], point["reward_std"], point["loss"],
+                                point["format_failures"])
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(reward=f"{point['mean_reward']:.3f}")
+                if self.checkpoint_every and (step + 1) % self.checkpoint_every == 0 and step + 1 < self.steps:
+                    self._checkpoint(ctx, policy, learner, curve, step + 1)
+        except BudgetExhausted as err:
+            stop_reason = f"budget: {err.limit}"
+            ctx.logger.info("grpo: budget exhausted after %d steps (%s)", len(curve), err.limit)
+        finally:
+            if progress is not None:
+                progress.close()
+        program, info = finish(program, policy, ctx, self.name)
+        info.update(stop_reason=stop_reason, steps_done=len(curve), reward_curve=curve,
+                    train_seconds=round(time.monotonic() - started, 2))
+        if self.plot and ctx.run_dir is not None and curve:
+            from flowopt.optimizers.weights.plot import plot_reward_curve
+
+            info["reward_plot"] = str(plot_reward_curve(curve, Path(ctx.run_dir) / "reward_curve.png"))
+        if ctx.run_dir is not None and curve:
+            self._checkpoint(ctx, policy, learner, curve, len(curve))
+        ctx.record(**info)
+        return program
+
+    def _step(self, step: int, program: dspy.Module, ctx: Any, policy: Policy, learner: GRPOLearner,
+              adapter: Any) -> dict[str, Any]:
+        import torch
+
+        t0 = time.monotonic()
+        # Each step's draw depends only on (seed, step), so a resumed run repeats the one it continues.
+        rng = random.Random(f"{ctx.seed}:grpo:{step}")
+        examples = [ctx.trainset[i] for i in _draw(rng, len(ctx.trainset), self.batch_size)]
+        rollouts = run_rollouts(program, examples, self.group_size, policy, temperature=self.temperature,
+                                max_new_tokens=self.max_new_tokens,
+                                generator=torch_generator(policy, rng.getrandbits(63)), adapter=adapter)
+        t1 = time.monotonic()
+        rewards = torch.tensor([score_rollout(r, ctx.metric, node_rewards=self.node_rewards,
+                                              format_penalty=self.format_penalty) for r in rollouts])
+        advantages = group_advantages(rewards.view(len(examples), self.group_size), self.scaling).flatten()
+        items = _scored_transitions(rollouts, advantages.tolist())
+        stats = learner.update(items)
+        t2 = time.monotonic()
+        scores = [r.score for r in rollouts if r.score is not None]
+        point = {"step": step + 1, "mean_reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+                 "mean_score": sum(scores) / len(scores) if scores else 0.0,
+                 "format_failures": sum(r.error is not None for r in rollouts),
+                 "rollout_s": round(t1 - t0, 3), "update_s": round(t2 - t1, 3)}
+        point.update({k: v for k, v in dataclasses.asdict(stats).items()})
+        return point
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self, ctx: Any, policy: Policy, learner: GRPOLearner, curve: list[dict[str, Any]],
+                    step: int) -> None:
+        if ctx.run_dir is None:
+            return
+        import io
+        import shutil
+
+        import torch
+
+        from flowopt.io import atomic_write_bytes
+
+        folder = Path(ctx.run_dir) / f"checkpoint-{step}"
+        policy.save_adapter(folder / "adapter")
+        buffer = io.BytesIO()
+        torch.save(learner.state_dict(), buffer)
+        atomic_write_bytes(folder / "learner.pt", buffer.getvalue())
+        # The JSON pointer is written last: a crash before it leaves the previous checkpoint in force.
+        ctx.save_checkpoint("grpo", {"step": step, "folder": folder.name, "reward_curve": curve})
+        for old in Path(ctx.run_dir).glob("checkpoint-*"):
+            if old.name != folder.name:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _resume(self, ctx: Any, policy: Policy, learner: GRPOLearner, curve: list[dict[str, Any]]) -> int:
+        state = ctx.load_checkpoint("grpo")
+        if not state or ctx.run_dir is None:
+            return 0
+        import torch
+
+        folder = Path(ctx.run_dir) / str(state["folder"])
+        if not (folder / "learner.pt").is_file():
+            ctx.logger.warning("grpo: checkpoint folder %s is missing, starting over", folder)
+            return 0
+        policy.load_adapter_file(folder / "adapter")
+        learner.load_state_dict(torch.load(folder / "learner.pt", weights_only=True))
+        curve.extend(state.get("reward_curve", []))
+        step = int(state["step"])
+        ctx.logger.info("grpo: resumed at step %d", step)
+        return min(step, self.steps)
+
+
+def _draw(rng: random.Random, n: int, k: int) -> list[int]:
+    """``k`` distinct indices when possible, with replacement only for a trainset smaller than ``k``."""
+    if n >= k:
+        return rng.sample(range(n), k)
+    return [rng.randrange(n) for _ in range(k)]
+
+
+def _scored_transitions(rollouts: list[Rollout], advantages: list[float]) -> list[ScoredTransition]:
+    items = []
+    for rollout, advantage in zip(rollouts, advantages):
+        for t in rollout.transitions:  # every LM call of the rollout shares its advantage
+            items.append(ScoredTransition(t.prompt_ids, t.completion_ids, t.logprobs, float(advantage)))
+    return items

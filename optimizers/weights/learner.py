@@ -1,0 +1,148 @@
+"""One GRPO update from a batch of scored transitions: passes, micro-batches, clipping, schedule.
+
+Each transition (one LM call of a rollout) carries its rollout's advantage. Per pass over the batch the
+gradient is accumulated over micro-batches, with the loss normalised by the whole batch's sequence or
+token count, so accumulation gives exactly the gradient of the full batch; then one clipped optimizer
+step. Reference scores (adapter disabled) and old log-probs are fixed before the first pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flowopt.optimizers.weights.batch import PackedBatch, completion_logprobs, pack
+from flowopt.optimizers.weights.loss import aggregate, token_loss
+from flowopt.optimizers.weights.optim import make_optimizer
+from flowopt.optimizers.weights.policy import Policy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoredTransition:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    old_logprobs: list[float]
+    advantage: float
+
+
+@dataclass
+class UpdateStats:
+    loss: float = 0.0
+    clip_low: float = 0.0  # fraction of tokens clipped below (negative advantage)
+    clip_high: float = 0.0  # fraction clipped above (positive advantage)
+    kl: float = 0.0
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    transitions: int = 0
+    tokens: int = 0
+    skipped: bool = False
+
+
+@dataclass
+class _Micro:
+    batch: PackedBatch
+    old: Any
+    advantages: Any
+    ref: Any = None
+
+
+class GRPOLearner:
+    """Optimizer state plus :meth:`update` (one call per rollout batch).
+
+    Example:
+        >>> learner = GRPOLearner(policy, total_steps=10)  # doctest: +SKIP
+        >>> stats = learner.update([ScoredTransition([5, 6], [7, 3], [-1.2, -0.4], 0.8)])  # doctest: +SKIP
+    """
+
+    def __init__(self, policy: Policy, *, total_steps: int, learning_rate: float = 5e-5, weight_decay: float = 0.0,
+                 lr_schedule: str = "constant", warmup_steps: int = 0, epsilon: float = 0.2,
+                 epsilon_high: float | None = None, beta: float = 0.0, aggregation: str = "dapo", passes: int = 1,
+                 micro_batch_size: int = 8, max_grad_norm: float | None = 1.0, temperature: float = 1.0) -> None:
+        self.policy = policy
+        self.epsilon, self.epsilon_high, self.beta = epsilon, epsilon_high, beta
+        self.aggregation, self.passes, self.micro = aggregation, passes, micro_batch_size
+        self.max_grad_norm, self.temperature = max_grad_norm, temperature
+        self.optimizer, self.scheduler = make_optimizer(
+            policy.trainable_parameters(), lr=learning_rate, weight_decay=weight_decay,
+            total_steps=total_steps * passes, warmup=warmup_steps, schedule=lr_schedule)  # type: ignore[arg-type]
+
+    def _micro_batches(self, items: Sequence[ScoredTransition]) -> list[_Micro]:
+        import torch
+
+        device = self.policy.device
+        # Similar lengths together: less padding in every forward pass.
+        order = sorted(range(len(items)), key=lambda i: (len(items[i].prompt_ids) + len(items[i].completion_ids)))
+        micros = []
+        for start in range(0, len(order), self.micro):
+            chunk = [items[i] for i in order[start:start + self.micro]]
+            batch = pack([t.prompt_ids for t in chunk], [t.completion_ids for t in chunk], self.policy.pad_id)
+            old = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)
+            for row, t in enumerate(chunk):
+                old[row, :len(t.old_logprobs)] = torch.as_tensor(t.old_logprobs, dtype=torch.float32)
+            advantages = torch.tensor([t.advantage for t in chunk], dtype=torch.float32)
+            micros.append(_Micro(batch.to(device), old.to(device), advantages.to(device)))
+        return micros
+
+    def update(self, items: Sequence[ScoredTransition]) -> UpdateStats:
+        """Run ``passes`` optimizer steps on ``items``; skipped (no step) when there is nothing to learn."""
+        import torch
+
+        items = [t for t in items if t.completion_ids]
+        stats = UpdateStats(transitions=len(items), tokens=sum(len(t.completion_ids) for t in items),
+                            lr=float(self.scheduler.get_last_lr()[0]))
+        if not items or (self.beta == 0.0 and all(t.advantage == 0.0 for t in items)):
+            # Every advantage is 0 and there is no KL term: the loss and its gradient are exactly 0.
+            stats.skipped = True
+            for _ in range(self.passes):
+                self.scheduler.step()
+            return stats
+        policy = self.policy
+        micros = self._micro_batches(items)
+        total_sequences, total_tokens = len(items), stats.tokens
+        with policy.lock:
+            model = policy.model
+            if self.beta != 0.0:
+                with torch.no_grad(), policy.reference():
+                    for m in micros:
+                        m.ref = completion_logprobs(model, m.batch, self.temperature)
+            model.train()
+            try:
+                for _ in range(self.passes):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    loss_sum = clip_low = clip_high = kl_sum = 0.0
+                    for m in micros:
+                        logps = completion_logprobs(model, m.batch, self.temperature)
+                        tl = token_loss(logps, m.old, m.advantages, epsilon=self.epsilon,
+                                        epsilon_high=self.epsilon_high, beta=self.beta, ref_logps=m.ref)
+                        loss = aggregate(tl.loss, m.batch.completion_mask, self.aggregation,  # type: ignore[arg-type]
+                                         total_sequences=total_sequences, total_tokens=total_tokens)
+                        loss.backward()
+                        mask = m.batch.completion_mask
+                        loss_sum += float(loss.detach())
+                        clip_low += float((tl.clipped_low * mask).sum())
+                        clip_high += float((tl.clipped_high * mask).sum())
+                        if tl.kl is not None:
+                            kl_sum += float((tl.kl * mask).sum())
+                    params = policy.trainable_parameters()
+                    norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    stats.loss, stats.grad_norm = loss_sum, float(norm)
+                    stats.clip_low, stats.clip_high = clip_low / total_tokens, clip_high / total_tokens
+                    stats.kl = kl_sum / total_tokens
+            finally:
+                model.eval()
+                self.optimizer.zero_grad(set_to_none=True)
+            policy.weights_changed()
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

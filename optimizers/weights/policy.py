@@ -1,0 +1,233 @@
+"""The trainable student: a ``flowopt.lm.LocalLM`` and the LoRA adapter a weights stage trains on it.
+
+Both weights stages train a :class:`Policy`. The reference model for the KL term is the same network
+with the adapter disabled (:meth:`Policy.reference`): no second copy in memory. Prompts are rendered
+by the LocalLM, so training sees exactly the ids that inference sees.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flowopt.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+Messages = Sequence[Mapping[str, str]]
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA shape. ``target_modules="all-linear"`` adapts every linear layer except the output head.
+
+    Example:
+        >>> LoraSettings(r=16, alpha=32).r
+        16
+    """
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = "all-linear"
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ConfigError(f"LoRA rank r must be >= 1, got {self.r}", fix="pass LoraSettings(r=8) or more")
+        if self.alpha <= 0:
+            raise ConfigError(f"LoRA alpha must be > 0, got {self.alpha}", fix="pass alpha=2*r, e.g. 32")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout}", fix="pass dropout=0.0")
+
+    def peft_config(self) -> Any:
+        from peft import LoraConfig
+
+        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
+                          task_type="CAUSAL_LM", bias="none")
+
+
+class Policy:
+    """The student being trained: a ``LocalLM`` plus the LoRA adapter a stage trains on it.
+
+    All forward passes, sampling and adapter changes hold ``local.lock``, so DSPy calls from other
+    threads never see an adapter half-switched. :meth:`start_adapter` attaches a fresh adapter (or a copy
+    of an earlier stage's, so GRPO continues from BootstrapFinetune while the earlier adapter stays
+    as it was) and makes it the only trainable parameters.
+
+    Example:
+        >>> from flowopt.lm import LocalLM
+        >>> from flowopt.optimizers.weights.tiny import tiny_causal_lm
+        >>> local = LocalLM.from_model(*tiny_causal_lm(["red", "blue"]), name="tiny")
+        >>> policy = Policy(local, lora=LoraSettings(r=4, alpha=8))
+        >>> policy.start_adapter("sft-demo")
+        >>> ids = policy.render([{"role": "user", "content": "cue : red word :"}])
+        >>> policy.completion_ids("red")[-1] == policy.eos_ids[0]
+        True
+    """
+
+    def __init__(self, local: Any, *, lora: LoraSettings | None = None) -> None:
+        self.local = local
+        self.lora = lora or LoraSettings()
+        self.adapter: str | None = None
+
+    @classmethod
+    def from_student(cls, student: Any, *, lora: LoraSettings | None = None) -> Policy:
+        """``student``: a ``LocalLM``, its ``dspy.LM`` (``local.lm``), or a model name / folder for ``LocalLM``."""
+        from flowopt.lm import LocalLM, local_of
+
+        if isinstance(student, Policy):
+            return student
+        if isinstance(student, LocalLM):
+            return cls(student, lora=lora)
+        local = local_of(student)
+        if local is not None:
+            return cls(local, lora=lora)
+        if isinstance(student, str | Path):
+            from flowopt.lm import shared_local_lm
+
+            name = str(student)
+            spec = {"model": f"local/{Path(name).name}", "source": name} if Path(name).exists() else {
+                "model": name if name.startswith("local/") else f"local/{name}"}
+            return cls(shared_local_lm(spec), lora=lora)
+        raise ConfigError(f"cannot train {student!r}: the student must be a local model",
+                          fix="pass student='gemma-3-270m', a LocalLM, or LocalLM(...).lm")
+
+    # ------------------------------------------------------------------ model and ids
+    @property
+    def model(self) -> Any:
+        return self.local.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.local.tokenizer
+
+    @property
+    def lock(self) -> Any:
+        return self.local.lock
+
+    @property
+    def device(self) -> Any:
+        return next(self.model.parameters()).device
+
+    @property
+    def eos_ids(self) -> list[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.local.base_model, "generation_config", None), self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list | tuple):
+                ids.update(int(v) for v in value)
+        first = self.tokenizer.eos_token_id
+        if first is not None:  # the tokenizer's own EOS first: it is the one appended to completions
+            return [int(first), *sorted(ids - {int(first)})]
+        return sorted(ids)
+
+    @property
+    def pad_id(self) -> int:
+        for value in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id):
+            if value is not None:
+                return int(value)
+        return 0
+
+    def render(self, messages: Messages) -> list[int]:
+        """Prompt ids for chat ``messages``, exactly as the LocalLM builds them for generation."""
+        return list(self.local.render([dict(m) for m in messages]))
+
+    def completion_ids(self, text: str) -> list[int]:
+        """Ids of a completion as the model should emit it: the text, then EOS."""
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return ids + self.eos_ids[:1]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ adapter
+    def start_adapter(self, name: str, *, init_from: str | None = None) -> None:
+        """Attach and activate a trainable adapter ``name``; ``init_from`` copies an attached adapter."""
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        with self.lock:
+            if name in self.local.adapters:
+                self.local.unload_adapter(name)  # a restarted stage starts over (resume reloads weights)
+            if init_from is not None:
+                config = copy.deepcopy(self.model.peft_config[init_from])
+                config.inference_mode = False
+                self.local.add_adapter(name, config)
+                state = get_peft_model_state_dict(self.model, adapter_name=init_from)
+                set_peft_model_state_dict(self.model, state, adapter_name=name)
+            else:
+                self.local.add_adapter(name, self.lora.peft_config())
+            self.model.set_adapter(name)  # marks only this adapter's weights trainable
+            self.adapter = name
+
+    def trainable_parameters(self) -> list[Any]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def reference(self) -> Any:
+        """Context manager: the base model (adapter disabled) for KL reference scores."""
+        return self.local.adapter_disabled()
+
+    def weights_changed(self) -> None:
+        """After an optimizer step: DSPy's cache must not answer with the old weights' results."""
+        self.local.mark_weights_changed()
+
+    def adapter_state(self) -> dict[str, Any]:
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.model, adapter_name=self.adapter)
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+    def load_adapter_state(self, state: Mapping[str, Any]) -> None:
+        from peft import set_peft_model_state_dict
+
+        with self.lock:
+            set_peft_model_state_dict(self.model, dict(state), adapter_name=self.adapter)
+            self.weights_changed()
+
+    def save_adapter(self, path: str | Path) -> tuple[Path, str]:
+        """Save the adapter as a PEFT folder at ``path`` (atomically); returns the folder and its sha256."""
+        import os
+        import shutil
+        import tempfile
+
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            saved = Path(self.local.save_adapter(tmp, self.adapter))
+            old = target.with_name(f".{target.name}.old")
+            if target.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(target, old)
+            os.replace(saved, target)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        # The LocalLM remembers where the adapter lives, so its spec (the workflow's LM entry) names it.
+        self.local._adapters[self.adapter]["path"] = str(target.resolve())
+        return target, adapter_sha256(target)
+
+    def load_adapter_file(self, path: str | Path) -> None:
+        """Load adapter weights saved by :meth:`save_adapter` into the current adapter (for resume)."""
+        from safetensors.torch import load_file
+
+        weights = Path(path) / "adapter_model.safetensors"
+        if not weights.is_file():
+            raise ConfigError(f"no adapter weights at {weights}", fix="point at a folder written by save_adapter")
+        self.load_adapter_state(load_file(str(weights)))
+
+
+def adapter_sha256(folder: str | Path) -> str:
+    """sha256 of an adapter folder's weights file (what the IR records to pin the adapter)."""
+    digest = hashlib.sha256()
+    with open(Path(folder) / "adapter_model.safetensors", "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

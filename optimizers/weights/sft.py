@@ -1,0 +1,174 @@
+"""BootstrapFinetune: LoRA supervised fine-tuning of the student on the teacher's passing traces.
+
+The teacher (default: the program as it is, e.g. after demo and instruction search on a large hosted
+LM) runs on the trainset; every predictor call of a run that passes the metric becomes a
+(prompt, completion) pair (:mod:`.traces`); one LoRA adapter for all predictors is trained on the
+student with the loss on completion tokens only; the adapter is saved under the stage's run folder
+and every predictor of the returned program uses the student with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import dspy
+
+from flowopt.compiler.stage import Stage
+from flowopt.errors import BudgetExhausted, ConfigError
+from flowopt.optimizers.weights.batch import completion_logprobs, pack
+from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter
+from flowopt.optimizers.weights.optim import check_schedule, make_optimizer
+from flowopt.optimizers.weights.policy import LoraSettings, Policy
+from flowopt.optimizers.weights.traces import teacher_pairs
+
+logger = logging.getLogger(__name__)
+
+
+def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, epochs: int = 3,
+              learning_rate: float = 2e-4, batch_size: int = 8, micro_batch_size: int = 8,
+              lr_schedule: str = "linear", warmup_steps: int = 0, weight_decay: float = 0.0,
+              max_grad_norm: float | None = 1.0, seed: int = 0) -> list[float]:
+    """Train the policy's active adapter on ``(prompt_ids, completion_ids)`` pairs; returns the loss per step.
+
+    The loss is the mean negative log-likelihood over the batch's completion tokens (prompt and padding
+    tokens masked out); micro-batches accumulate into one optimizer step per ``batch_size`` pairs.
+    """
+    import torch
+
+    steps_per_epoch = (len(pairs) + batch_size - 1) // batch_size
+    optimizer, scheduler = make_optimizer(policy.trainable_parameters(), lr=learning_rate, weight_decay=weight_decay,
+                                          total_steps=epochs * steps_per_epoch, warmup=warmup_steps,
+                                          schedule=lr_schedule)  # type: ignore[arg-type]
+    rng = random.Random(seed)
+    losses: list[float] = []
+    model = policy.model
+    with policy.lock:
+        model.train()
+        try:
+            for _ in range(epochs):
+                order = list(range(len(pairs)))
+                rng.shuffle(order)
+                for start in range(0, len(order), batch_size):
+                    batch = [pairs[i] for i in order[start:start + batch_size]]
+                    total_tokens = sum(len(c) for _, c in batch)
+                    optimizer.zero_grad(set_to_none=True)
+                    step_loss = 0.0
+                    for m in range(0, len(batch), micro_batch_size):
+                        micro = batch[m:m + micro_batch_size]
+                        packed = pack([p for p, _ in micro], [c for _, c in micro], policy.pad_id).to(policy.device)
+                        logps = completion_logprobs(model, packed)
+                        loss = -(logps * packed.completion_mask).sum() / total_tokens
+                        loss.backward()
+                        step_loss += float(loss.detach())
+                    torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), max_grad_norm or float("inf"))
+                    optimizer.step()
+                    scheduler.step()
+                    losses.append(step_loss)
+        finally:
+            model.eval()
+            optimizer.zero_grad(set_to_none=True)
+        policy.weights_changed()
+    return losses
+
+
+@dataclass(frozen=True)
+class BootstrapFinetune(Stage):
+    """Distil the program into a LoRA on the student ``LocalLM`` from the teacher's passing traces.
+
+    ``teacher``: ``None`` (the program as it is), a ``dspy.LM`` (the program on that LM) or a
+    ``dspy.Module``. ``student``: ``None`` (the local model the program runs on, else the embedded
+    Gemma 3 270M), a model name or folder, a ``LocalLM`` or its ``dspy.LM``. A run passes when
+    ``metric >= metric_threshold`` (truthy when ``None``).
+
+    Example:
+        >>> import flowopt
+        >>> from flowopt.optimizers.weights import BootstrapFinetune
+        >>> stage = BootstrapFinetune(teacher=dspy.LM("openai/gpt-4o-mini"), epochs=3)
+        >>> compiled = flowopt.compile(program, trainset, metric, stages=[stage])  # doctest: +SKIP
+    """
+
+    name: ClassVar[str] = "finetune"
+
+    student: Any = None
+    teacher: Any = None
+    epochs: int = 3
+    learning_rate: float = 2e-4
+    batch_size: int = 8
+    micro_batch_size: int = 8
+    lr_schedule: str = "linear"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    metric_threshold: float | None = None
+    max_length: int = 2048
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    adapter: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "micro_batch_size", "max_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", fix=f"pass {name}=1 or more")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}", fix="pass learning_rate=2e-4")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm}", fix="pass 1.0 or None")
+        check_schedule(self.lr_schedule, self.warmup_steps)
+        if self.teacher is not None and not isinstance(self.teacher, dspy.BaseLM | dspy.Module):
+            raise ConfigError(f"teacher must be a dspy.LM or a dspy.Module, got {type(self.teacher).__name__}",
+                              fix="pass teacher=dspy.LM('openai/gpt-4o-mini') or leave it None")
+
+    def _teacher(self, program: dspy.Module) -> dspy.Module:
+        if self.teacher is None:
+            return program
+        if isinstance(self.teacher, dspy.Module):
+            return self.teacher
+        from flowopt.optimizers.weights.rollout import with_lm
+
+        return with_lm(program, self.teacher)
+
+    def run(self, program: dspy.Module, ctx: Any) -> dspy.Module:
+        if not ctx.trainset:
+            raise ConfigError("BootstrapFinetune needs training examples, the trainset is empty",
+                              fix="pass a non-empty trainset")
+        policy, _ = resolve_policy(self.student, program, self.lora)
+        adapter = rollout_adapter(self.adapter, policy)
+        started = time.monotonic()
+        try:
+            with ctx.budget.guard():
+                pairs, stats = teacher_pairs(self._teacher(program), ctx.trainset, ctx.metric, adapter,
+                                             metric_threshold=self.metric_threshold,
+                                             num_threads=getattr(ctx, "num_threads", 8))
+        except BudgetExhausted as err:
+            ctx.record(stop_reason=f"budget: {err.limit}")
+            return program
+        trace_seconds = time.monotonic() - started
+        data = []
+        for pair in pairs:
+            prompt, completion = policy.render(pair.messages), policy.completion_ids(pair.completion)
+            if len(prompt) + len(completion) <= self.max_length:
+                data.append((prompt, completion))
+        info: dict[str, Any] = {"teacher_runs": stats.runs, "teacher_passed": stats.passed,
+                                "teacher_failed": stats.failed_runs, "pairs": len(data),
+                                "pairs_too_long": len(pairs) - len(data)}
+        if not data:
+            ctx.record(stop_reason="no teacher trace passed the metric", **info)
+            ctx.logger.warning("finetune: no teacher trace passed the metric; the program is unchanged")
+            return program
+        policy.start_adapter(adapter_name(self.name, ctx))
+        t0 = time.monotonic()
+        losses = sft_train(policy, data, epochs=self.epochs, learning_rate=self.learning_rate,
+                           batch_size=self.batch_size, micro_batch_size=self.micro_batch_size,
+                           lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps,
+                           weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=ctx.seed)
+        ctx.logger.info("finetune: %d pairs, %d steps, loss %.4f -> %.4f", len(data), len(losses), losses[0],
+                        losses[-1])
+        program, saved = finish(program, policy, ctx, self.name)
+        info.update(saved, stop_reason="done", loss_curve=[round(x, 5) for x in losses],
+                    trace_seconds=round(trace_seconds, 2), train_seconds=round(time.monotonic() - t0, 2))
+        ctx.record(**info)
+        return program
