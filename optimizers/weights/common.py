@@ -32,14 +32,19 @@ def resolve_policy(student: Any, program: dspy.Module, lora: LoraSettings) -> tu
 
 
 def rollout_adapter(adapter: Any, policy: Policy) -> Any:
-    """The DSPy adapter the student runs with: the one given, else LocalLM's choice for this model."""
-    if adapter is not None:
-        return adapter
-    try:
+    """The DSPy adapter the student is trained with: the one given, else the one configured in DSPy
+    (what the program will run with), else LocalLM's choice for this model (the completion adapter
+    for base models). An adapter that picks per LM (``flowopt.lm.AutoAdapter``) is resolved for the
+    student here, since rollouts reach the model through another ``dspy.LM``. Inference must use the
+    same adapter, e.g. ``dspy.configure(adapter=AutoAdapter())``.
+    """
+    adapter = adapter if adapter is not None else dspy.settings.adapter
+    if adapter is None:
         from flowopt.lm import adapter_for
-    except ImportError:
-        return None
-    return adapter_for(policy.local.lm) if callable(adapter_for) else None
+
+        return adapter_for(policy.local.lm)
+    pick = getattr(adapter, "pick", None)
+    return pick(policy.local.lm) if callable(pick) else adapter
 
 
 def torch_generator(policy: Policy, seed: int) -> Any:

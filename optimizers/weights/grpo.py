@@ -120,7 +120,7 @@ class GRPO(Stage):
             raise ConfigError("GRPO needs training examples, the trainset is empty", fix="pass a non-empty trainset")
         policy, start_from = resolve_policy(self.student, program, self.lora)
         name = adapter_name(self.name, ctx)
-        policy.start_adapter(name, init_from=start_from if start_from != name else None)
+        policy.start_adapter(name, init_from=start_from if start_from != name else None, seed=ctx.seed)
         learner = GRPOLearner(
             policy, total_steps=self.steps, learning_rate=self.learning_rate, weight_decay=self.weight_decay,
             lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps, epsilon=self.epsilon,

@@ -9,6 +9,7 @@ step. Reference scores (adapter disabled) and old log-probs are fixed before the
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -97,8 +98,10 @@ class GRPOLearner:
         if not items or (self.beta == 0.0 and all(t.advantage == 0.0 for t in items)):
             # Every advantage is 0 and there is no KL term: the loss and its gradient are exactly 0.
             stats.skipped = True
-            for _ in range(self.passes):
-                self.scheduler.step()
+            with warnings.catch_warnings():  # the schedule counts steps, taken or skipped
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(self.passes):
+                    self.scheduler.step()
             return stats
         policy = self.policy
         micros = self._micro_batches(items)

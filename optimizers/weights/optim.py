@@ -31,7 +31,8 @@ def lr_factor(step: int, *, total: int, warmup: int, schedule: Schedule) -> floa
 
 def check_schedule(schedule: str, warmup: int) -> None:
     if schedule not in SCHEDULES:
-        raise ConfigError(f"lr_schedule must be one of {SCHEDULES}, got {schedule!r}", fix="pass lr_schedule='constant'")
+        raise ConfigError(f"lr_schedule must be one of {SCHEDULES}, got {schedule!r}",
+                          fix="pass lr_schedule='constant'")
     if warmup < 0:
         raise ConfigError(f"warmup_steps must be >= 0, got {warmup}", fix="pass warmup_steps=0")
 

@@ -149,11 +149,16 @@ class Policy:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     # ------------------------------------------------------------------ adapter
-    def start_adapter(self, name: str, *, init_from: str | None = None) -> None:
-        """Attach and activate a trainable adapter ``name``; ``init_from`` copies an attached adapter."""
+    def start_adapter(self, name: str, *, init_from: str | None = None, seed: int = 0) -> None:
+        """Attach and activate a trainable adapter ``name``; ``init_from`` copies an attached adapter.
+
+        A fresh adapter's random initialisation is drawn from ``seed``, so runs repeat.
+        """
+        import torch
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-        with self.lock:
+        with self.lock, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
             if name in self.local.adapters:
                 self.local.unload_adapter(name)  # a restarted stage starts over (resume reloads weights)
             if init_from is not None:

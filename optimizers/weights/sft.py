@@ -159,7 +159,7 @@ class BootstrapFinetune(Stage):
             ctx.record(stop_reason="no teacher trace passed the metric", **info)
             ctx.logger.warning("finetune: no teacher trace passed the metric; the program is unchanged")
             return program
-        policy.start_adapter(adapter_name(self.name, ctx))
+        policy.start_adapter(adapter_name(self.name, ctx), seed=ctx.seed)
         t0 = time.monotonic()
         losses = sft_train(policy, data, epochs=self.epochs, learning_rate=self.learning_rate,
                            batch_size=self.batch_size, micro_batch_size=self.micro_batch_size,

@@ -44,7 +44,7 @@ def tiny_causal_lm(words: Iterable[str], *, hidden_size: int = 64, layers: int =
     tokenizer = word_tokenizer(words)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         max_position_embeddings=512, tie_word_embeddings=True, initializer_range=init_range,
+                         max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=init_range,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id)
     with torch.random.fork_rng():
