@@ -1,18 +1,21 @@
 """Few-shot demonstration stages: ``LabeledFewShot`` and ``BootstrapFewShot``.
 
-Bootstrapping follows DSPy's ``BootstrapFewShot`` (a teacher with labeled demos runs on training
-examples; the predictor calls of runs that pass the metric become demos), with three changes that
-matter to the compiler: examples run in parallel threads, every LM call is under the shared
-budget, and the pool of bootstrapped traces is checkpointed and shared with later stages (the
-search draws its demo subsets from it).
+Bootstrapping follows DSPy's ``BootstrapFewShot`` step for step (a teacher with labeled demos runs
+on training examples in order; the predictor calls of runs that pass the metric become demos; the
+rest is topped up with labeled examples), and with the same random draws: with ``seed=0`` it picks
+the very demos that ``dspy.BootstrapFewShot`` picks. What it adds for the compiler: examples run in
+parallel (each round launches only as many examples as successes are still missing, so it pays for
+the same calls as DSPy's one-at-a-time loop), every LM call is under the shared budget, and the pool
+of traces is checkpointed and shared with later stages (the search builds its candidates from it).
 """
 
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import json
 import random
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -32,14 +35,25 @@ def _as_demo(data: dict[str, Any]) -> dspy.Example:
     return dspy.Example(**data)
 
 
-def _labeled(trainset: list[Any], k: int, rng: random.Random) -> list[dict[str, Any]]:
-    k = min(k, len(trainset))
-    return [ex.toDict() for ex in rng.sample(trainset, k)] if k else []
+def labeled_demos(examples: list[Any], k: int, seed: int, predictors: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """``k`` examples per predictor, drawn as DSPy's ``LabeledFewShot`` draws them (one
+    ``random.Random(seed)`` for all predictors in turn; DSPy's fixed seed is 0)."""
+    rng = random.Random(seed)
+    k = min(k, len(examples))
+    return {name: [ex.toDict() for ex in rng.sample(examples, k)] if k else [] for name in predictors}
+
+
+def set_demos(program: dspy.Module, demos: dict[str, list[dict[str, Any]]]) -> dspy.Module:
+    """Put ``demos[name]`` on each named predictor of ``program`` (in place); returns it."""
+    for name, predictor in program.named_predictors():
+        predictor.demos = [_as_demo(d) for d in demos.get(name, [])]
+    return program
 
 
 @dataclass(frozen=True)
 class LabeledFewShot(Stage):
-    """Put ``k`` training examples (sampled with the stage's seed) as demos on every predictor.
+    """Put ``k`` training examples on every predictor, drawn as DSPy's ``LabeledFewShot`` does with
+    the compile seed (so ``seed=0`` gives DSPy's demos).
 
     Example:
         >>> from flowopt.optimizers.demos import LabeledFewShot
@@ -54,10 +68,9 @@ class LabeledFewShot(Stage):
         _check_count("LabeledFewShot", "k", self.k, 1)
 
     def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
-        demos = _labeled(ctx.trainset, self.k, ctx.rng)
-        for _, predictor in program.named_predictors():
-            predictor.demos = [_as_demo(d) for d in demos]
-        ctx.record(candidates_tried=1, demos=len(demos))
+        demos = labeled_demos(ctx.trainset, self.k, ctx.seed, [n for n, _ in program.named_predictors()])
+        set_demos(program, demos)
+        ctx.record(candidates_tried=1, demos=min(self.k, len(ctx.trainset)))
         return program
 
 
@@ -91,76 +104,116 @@ class DemoPool:
         return {"key": self.key, "order": self.order, "records": self.records}
 
 
-def build_teacher(program: dspy.Module, ctx: StageContext, max_labeled_demos: int) -> dspy.Module:
-    """The program with ``max_labeled_demos`` labeled demos per predictor, sampled with the compile seed.
+def build_teacher(program: dspy.Module, ctx: StageContext, max_labeled_demos: int,
+                  order: list[int] | None = None) -> dspy.Module:
+    """The program with ``max_labeled_demos`` labeled demos per predictor, as DSPy's bootstrap builds
+    its teacher: ``LabeledFewShot`` over the trainset taken in ``order``, seeded by the compile seed.
 
-    It depends on the compile seed only (not the stage), so the demos stage and the search build the
+    It depends on the compile seed and the order only, so the demos stage and the search build the
     same teacher, send the same prompts, and share one pool (and the LM cache).
     """
-    teacher = clone_program(program)
-    demos = _labeled(ctx.trainset, max_labeled_demos, random.Random(f"flowopt-teacher:{ctx.seed}"))
-    for _, predictor in teacher.named_predictors():
-        predictor.demos = [_as_demo(d) for d in demos]
-    return teacher
+    examples = [ctx.trainset[i] for i in (order if order is not None else range(len(ctx.trainset)))]
+    names = [n for n, _ in program.named_predictors()]
+    return set_demos(clone_program(program), labeled_demos(examples, max_labeled_demos, ctx.seed, names))
 
 
 def bootstrap_pool(program: dspy.Module, ctx: StageContext, *, successes: int, max_labeled_demos: int = 16,
-                   metric_threshold: float | None = None, checkpoint: str = "pool") -> DemoPool:
-    """Run the teacher on training examples until ``successes`` of them pass the metric.
+                   metric_threshold: float | None = None, checkpoint: str = "pool", order: list[int] | None = None,
+                   executor: Executor | None = None) -> DemoPool:
+    """Run the teacher on training examples, in ``order``, until ``successes`` of them pass the metric.
 
-    Examples run ``ctx.num_threads`` at a time; the pool is kept in ``ctx.shared`` (later stages
-    extend it) and checkpointed after every batch. A budget refusal stops it with what it has
-    (``pool.exhausted_by`` names the limit).
+    Each round launches as many examples (at most ``ctx.num_threads``) as successes are still missing,
+    so the examples tried are exactly the prefix of ``order`` that DSPy's one-at-a-time loop tries.
+    LM calls run on ``executor`` when given (to share a thread limit with other work). The pool is
+    kept in ``ctx.shared`` (later stages extend it) and checkpointed after every round. A budget
+    refusal stops it with what it has (``pool.exhausted_by`` names the limit).
     """
-    teacher = build_teacher(program, ctx, max_labeled_demos)
-    key = f"{program_key(teacher)}:{metric_threshold}"
+    order = list(range(len(ctx.trainset))) if order is None else list(order)
+    teacher = build_teacher(program, ctx, max_labeled_demos, order)
+    order_key = hashlib.sha1(json.dumps(order).encode()).hexdigest()[:12]
+    key = f"{program_key(teacher)}:{metric_threshold}:{order_key}"
     pool: DemoPool | None = ctx.shared.get(f"demo_pool:{key}")
     if pool is None:
         saved = ctx.load_checkpoint(checkpoint)
         if saved is not None and saved.get("key") == key:
             pool = DemoPool(key, saved["order"], saved["records"])
     if pool is None:
-        pool = DemoPool(key, list(range(len(ctx.trainset))))  # trainset order, as DSPy bootstraps
+        pool = DemoPool(key, order)
     ctx.shared[f"demo_pool:{key}"] = pool
     pool.exhausted_by = None
     names = {id(p): n for n, p in teacher.named_predictors()}
-    bar = ctx.progress(total=successes, desc=f"{ctx.stage_name}: bootstrap",
-                       initial=min(successes, len(pool.successes)))
     errors = sum(1 for r in pool.records if r.get("error"))
-    try:
-        while len(pool.successes) < successes and not pool.done:
-            start = len(pool.records)
-            batch = pool.order[start:start + max(1, ctx.num_threads)]
-            outcomes = _run_batch(teacher, names, ctx, batch, metric_threshold)
-            for outcome in outcomes:
-                if isinstance(outcome, BaseException):
-                    break  # keep the batch's prefix only: the pool stays a prefix of the order
-                pool.records.append(outcome)
-                errors += bool(outcome.get("error"))
-                bar.update(int(outcome["success"]))
-            ctx.save_checkpoint(checkpoint, pool.to_dict())
-            failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
-            if isinstance(failure, BudgetStop):
-                pool.exhausted_by = failure.error.limit
-                break
-            if isinstance(failure, BudgetExhausted):
-                pool.exhausted_by = failure.limit
-                break
-            if failure is not None:
-                raise failure
-            if errors > max(10, len(ctx.trainset) // 2):
-                raise LMError(f"bootstrapping stopped: {errors} training examples failed in the program",
-                              fix="check the LM and the program on one example")
-    finally:
-        bar.close()
+    while len(pool.successes) < successes and not pool.done:
+        start = len(pool.records)
+        needed = min(successes - len(pool.successes), max(1, ctx.num_threads))
+        outcomes = _run_batch(teacher, names, ctx, pool.order[start:start + needed], metric_threshold, executor)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                break  # keep the batch's prefix only: the pool stays a prefix of the order
+            pool.records.append(outcome)
+            errors += bool(outcome.get("error"))
+        ctx.save_checkpoint(checkpoint, pool.to_dict())
+        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if isinstance(failure, BudgetStop):
+            pool.exhausted_by = failure.error.limit
+            break
+        if isinstance(failure, BudgetExhausted):
+            pool.exhausted_by = failure.limit
+            break
+        if failure is not None:
+            raise failure
+        if errors > max(10, len(ctx.trainset) // 2):
+            raise LMError(f"bootstrapping stopped: {errors} training examples failed in the program",
+                          fix="check the LM and the program on one example")
     return pool
 
 
+def compose_demos(ctx: StageContext, pool: DemoPool, predictors: list[str], max_bootstrapped: int,
+                  max_labeled: int) -> dict[str, list[dict[str, Any]]]:
+    """DSPy's ``BootstrapFewShot._train``: per predictor the first ``max_bootstrapped`` traces, then
+    labeled examples (not bootstrapped, shuffled and sampled with the compile seed) up to ``max_labeled``."""
+    used = {r["index"] for r in pool.successes[:max_bootstrapped]}
+    raw = [i for i in pool.order if i not in used]
+    random.Random(ctx.seed).shuffle(raw)
+    rng = random.Random(ctx.seed)
+    out = {}
+    for name in predictors:
+        augmented = pool.demos_for(name, max_bootstrapped)
+        k = max(0, min(max_labeled - len(augmented), len(raw)))
+        out[name] = [*augmented, *(ctx.trainset[i].toDict() for i in rng.sample(raw, k))]
+    return out
+
+
+def shuffled_bootstrap(program: dspy.Module, ctx: StageContext, candidate: int, *, max_bootstrapped: int,
+                       max_labeled: int, metric_threshold: float | None = None,
+                       executor: Executor | None = None) -> tuple[dict[str, list[dict[str, Any]]], str | None]:
+    """Candidate ``candidate`` of DSPy's ``BootstrapFewShotWithRandomSearch`` (its seeds 0, 1, ...).
+
+    The trainset is shuffled with ``random.Random(s)``, ``random.Random(s).randint(1, max_bootstrapped)``
+    traces are bootstrapped by a teacher whose labeled demos come from the shuffled trainset, and
+    labeled examples fill up to ``max_labeled``; ``s`` is ``candidate`` for compile seed 0 (DSPy's
+    own seeds) and ``candidate + 100003 * seed`` otherwise. Returns the demos per predictor and the
+    budget limit that cut the bootstrap short, if any.
+    """
+    s = candidate + 100003 * ctx.seed
+    order = list(range(len(ctx.trainset)))
+    random.Random(s).shuffle(order)
+    size = random.Random(s).randint(1, max(1, max_bootstrapped))
+    pool = bootstrap_pool(program, ctx, successes=size, max_labeled_demos=max_labeled,
+                          metric_threshold=metric_threshold, checkpoint=f"pool-{candidate}", order=order,
+                          executor=executor)
+    names = [n for n, _ in program.named_predictors()]
+    return compose_demos(ctx, pool, names, size, max_labeled), pool.exhausted_by
+
+
 def _run_batch(teacher: dspy.Module, names: dict[int, str], ctx: StageContext, batch: list[int],
-               threshold: float | None) -> list[Any]:
+               threshold: float | None, executor: Executor | None = None) -> list[Any]:
     def one(index: int) -> dict[str, Any]:
         return _bootstrap_one(teacher, names, ctx, index, threshold)
 
+    if executor is not None:
+        futures = [executor.submit(contextvars.copy_context().run, one, i) for i in batch]
+        return [_outcome(f) for f in futures]
     if len(batch) == 1 or ctx.num_threads <= 1:
         out: list[Any] = []
         for i in batch:
@@ -172,13 +225,14 @@ def _run_batch(teacher: dspy.Module, names: dict[int, str], ctx: StageContext, b
         return out
     with ThreadPoolExecutor(max_workers=len(batch), thread_name_prefix="flowopt-bootstrap") as pool:
         futures = [pool.submit(contextvars.copy_context().run, one, i) for i in batch]
-        results: list[Any] = []
-        for f in futures:
-            try:
-                results.append(f.result())
-            except (BudgetStop, FlowoptError) as err:
-                results.append(err)
-        return results
+        return [_outcome(f) for f in futures]
+
+
+def _outcome(future: Future) -> Any:
+    try:
+        return future.result()
+    except (BudgetStop, FlowoptError) as err:
+        return err
 
 
 def _bootstrap_one(teacher: dspy.Module, names: dict[int, str], ctx: StageContext, index: int,
@@ -229,7 +283,7 @@ class BootstrapFewShot(Stage):
 
     Each predictor gets up to ``max_bootstrapped_demos`` demos from teacher runs that passed the
     metric (``>= metric_threshold``, or truthy when it is ``None``), then labeled examples up to
-    ``max_labeled_demos`` in all.
+    ``max_labeled_demos`` in all. With ``seed=0`` these are the demos ``dspy.BootstrapFewShot`` picks.
 
     Example:
         >>> from flowopt.optimizers.demos import BootstrapFewShot
@@ -252,14 +306,8 @@ class BootstrapFewShot(Stage):
     def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
         pool = bootstrap_pool(program, ctx, successes=self.max_bootstrapped_demos,
                               max_labeled_demos=self.max_labeled_demos, metric_threshold=self.metric_threshold)
-        used = {r["index"] for r in pool.successes[: self.max_bootstrapped_demos]}
-        raw = [ctx.trainset[i] for i in pool.order if i not in used]
-        rng = random.Random(f"flowopt-labeled:{ctx.seed}")
-        for name, predictor in program.named_predictors():
-            augmented = pool.demos_for(name, self.max_bootstrapped_demos)
-            k = max(0, min(self.max_labeled_demos - len(augmented), len(raw)))
-            labeled = [ex.toDict() for ex in rng.sample(raw, k)] if k else []
-            predictor.demos = [_as_demo(d) for d in [*augmented, *labeled]]
+        names = [n for n, _ in program.named_predictors()]
+        set_demos(program, compose_demos(ctx, pool, names, self.max_bootstrapped_demos, self.max_labeled_demos))
         ctx.record(candidates_tried=1, bootstrapped=len(pool.successes[: self.max_bootstrapped_demos]),
                    attempts=len(pool.records))
         if pool.exhausted_by:

@@ -62,6 +62,14 @@ class StageContext:
         with self.budget.guard():
             return self.evaluator.evaluate(program, examples, desc=desc, max_errors=max_errors)
 
+    def evaluate_many(self, jobs: Sequence[tuple[Any, Sequence[Any]]], *, desc: str | None = None,
+                      max_errors: int | None = None) -> list[EvalResult]:
+        """Score several ``(program, examples)`` pairs on one shared thread pool (memoised); raises
+        ``BudgetExhausted``."""
+        assert self.evaluator is not None
+        with self.budget.guard():
+            return self.evaluator.evaluate_many(jobs, desc=desc, max_errors=max_errors)
+
     def record(self, **info: Any) -> None:
         """Add JSON-able facts to this stage's report entry (``candidates_tried``, ``stop_reason``...)."""
         self.info.update(info)

@@ -145,66 +145,63 @@ class Evaluator:
 
     def evaluate(self, program: Any, examples: Sequence[Any], *, desc: str | None = None,
                  max_errors: int | None = None) -> EvalResult:
+        """Score ``program`` on ``examples``: memoised per example, ``num_threads`` at a time."""
+        return self.evaluate_many([(program, examples)], desc=desc, max_errors=max_errors)[0]
+
+    def evaluate_many(self, jobs: Sequence[tuple[Any, Sequence[Any]]], *, desc: str | None = None,
+                      max_errors: int | None = None) -> list[EvalResult]:
+        """Score several programs at once, sharing one pool of ``num_threads`` threads.
+
+        Candidates of a search are raced this way: the examples of all of them fill the threads, so
+        a small minibatch per candidate still keeps every thread busy. ``max_errors`` applies to each
+        program on its own.
+
+        Example:
+            >>> import dspy
+            >>> from flowopt.compiler import Evaluator
+            >>> from flowopt.testing import scripted_lm
+            >>> ev = Evaluator(lambda ex, pred, trace=None: ex.answer == pred.answer, quiet=True)
+            >>> data = [dspy.Example(question="q", answer="a").with_inputs("question")]
+            >>> with dspy.context(lm=scripted_lm(lambda req: {"answer": "a"})):
+            ...     [r.score for r in ev.evaluate_many([(dspy.Predict("question -> answer"), data)] * 2)]
+            [1.0, 1.0]
+        """
         from tqdm.auto import tqdm
 
-        examples = list(examples)
-        limit = max_errors if max_errors is not None else self.max_errors
-        if limit is None:
-            limit = max(10, len(examples) // 2)
-        pkey = program_key(program)
-        keys = [example_key(ex) for ex in examples]
-        results: list[tuple[float, bool] | None] = [None] * len(examples)
-        todo: list[int] = []
+        runs = [_Run(program, list(examples), self._limit(max_errors, len(examples))) for program, examples in jobs]
+        todo: list[tuple[_Run, int]] = []
+        queued: set[tuple[str, str]] = set()  # the same program twice runs each example once
         with self._lock:
-            for i, k in enumerate(keys):
-                hit = self._memo.get((pkey, k))
-                if hit is not None:
-                    results[i] = hit
-                else:
-                    todo.append(i)
-        errors = [sum(1 for r in results if r is not None and r[1])]
+            for run in runs:
+                run.pkey = program_key(run.program)
+                run.keys = [example_key(ex) for ex in run.examples]
+                run.results = [self._memo.get((run.pkey, k)) for k in run.keys]
+                run.errors = sum(1 for r in run.results if r is not None and r[1])
+                for i, r in enumerate(run.results):
+                    if r is None and (run.pkey, run.keys[i]) not in queued:
+                        queued.add((run.pkey, run.keys[i]))
+                        todo.append((run, i))
+        total = sum(len(r.examples) for r in runs)
+        bar = tqdm(total=total, initial=total - len(todo), desc=desc or "evaluate", disable=self.quiet, leave=False)
         stop = threading.Event()
-        bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=desc or "evaluate",
-                   disable=self.quiet, leave=False)
 
-        def one(i: int) -> tuple[float, bool]:
+        def one(run: _Run, i: int) -> None:
             if stop.is_set():
                 raise _Stopped()
-            ex = examples[i]
-            try:
-                pred = program(**ex.inputs())
-            except (BudgetStop, WorkflowError):
-                raise
-            except Exception as err:  # a failed parse or LM error scores as a failure
-                logger.debug("example #%d failed: %s: %s", i, type(err).__name__, err)
-                with self._lock:
-                    errors[0] += 1
-                    too_many = errors[0] > limit
-                if too_many:
-                    stop.set()
-                    raise LMError(
-                        f"evaluation stopped: {errors[0]} examples failed (max_errors={limit}); "
-                        f"last error on example #{i}: {type(err).__name__}: {err}",
-                        fix="check the LM and the program on one example, or raise max_errors",
-                    ) from err
-                return (0.0, True)
-            return (score_prediction(self.metric, ex, pred, i), False)
-
-        def run(i: int) -> None:
-            outcome = one(i)
-            results[i] = outcome
+            outcome = self._score_one(run, i, stop)
+            run.results[i] = outcome
             with self._lock:
-                self._memo[(pkey, keys[i])] = outcome
+                self._memo[(run.pkey, run.keys[i])] = outcome
             bar.update(1)
 
         try:
             if self.num_threads <= 1 or len(todo) <= 1:
-                for i in todo:
-                    run(i)
+                for run, i in todo:
+                    one(run, i)
             else:
                 with ThreadPoolExecutor(max_workers=min(self.num_threads, len(todo)),
                                         thread_name_prefix="flowopt-eval") as pool:
-                    futures = [pool.submit(contextvars.copy_context().run, run, i) for i in todo]
+                    futures = [pool.submit(contextvars.copy_context().run, one, run, i) for run, i in todo]
                     failures: list[BaseException] = []
                     for f in futures:
                         try:
@@ -220,8 +217,39 @@ class Evaluator:
                         raise (real or failures)[0]
         finally:
             bar.close()
-        done = [r for r in results if r is not None]
-        return EvalResult.from_scores([s for s, _ in done], errors=sum(1 for _, e in done if e))
+        out = []
+        for run in runs:
+            with self._lock:
+                run.results = [r if r is not None else self._memo.get((run.pkey, k))
+                               for r, k in zip(run.results, run.keys)]
+            done = [r for r in run.results if r is not None]
+            out.append(EvalResult.from_scores([s for s, _ in done], errors=sum(1 for _, e in done if e)))
+        return out
+
+    def _limit(self, max_errors: int | None, n: int) -> int:
+        limit = max_errors if max_errors is not None else self.max_errors
+        return max(10, n // 2) if limit is None else limit
+
+    def _score_one(self, run: _Run, i: int, stop: threading.Event) -> tuple[float, bool]:
+        ex = run.examples[i]
+        try:
+            pred = run.program(**ex.inputs())
+        except (BudgetStop, WorkflowError):
+            raise
+        except Exception as err:  # a failed parse or LM error scores as a failure
+            logger.debug("example #%d failed: %s: %s", i, type(err).__name__, err)
+            with self._lock:
+                run.errors += 1
+                too_many = run.errors > run.limit
+            if too_many:
+                stop.set()
+                raise LMError(
+                    f"evaluation stopped: {run.errors} examples failed (max_errors={run.limit}); "
+                    f"last error on example #{i}: {type(err).__name__}: {err}",
+                    fix="check the LM and the program on one example, or raise max_errors",
+                ) from err
+            return (0.0, True)
+        return (score_prediction(self.metric, ex, pred, i), False)
 
     def forget(self) -> None:
         with self._lock:
@@ -230,6 +258,19 @@ class Evaluator:
 
 class _Stopped(Exception):
     pass
+
+
+@dataclass
+class _Run:
+    """One program's share of an :meth:`Evaluator.evaluate_many` call."""
+
+    program: Any
+    examples: list[Any]
+    limit: int
+    pkey: str = ""
+    keys: list[str] = field(default_factory=list)
+    results: list[tuple[float, bool] | None] = field(default_factory=list)
+    errors: int = 0
 
 
 def _short(example: Any, limit: int = 80) -> str:
