@@ -30,6 +30,10 @@ def bench_parser(sub: argparse._SubParsersAction | None = None) -> argparse.Argu
     parser.add_argument("--train", type=int, default=20, help="training examples (default: %(default)s)")
     parser.add_argument("--dev", type=int, default=20, help="validation examples for compile (default: %(default)s)")
     parser.add_argument("--test", type=int, default=50, help="report-split examples (default: %(default)s)")
+    parser.add_argument("--candidates", type=int, default=8,
+                        help="candidate programs the search stage tries (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=256,
+                        help="completion token limit per LM call (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=4, help="parallel evaluation threads")
     parser.add_argument("--max-lm-calls", type=int, default=None, help="compile budget: LM calls")

@@ -41,12 +41,13 @@ def run_bench(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     proto = get_protocol(args.protocol)
     metric = proto.metric_fn()
-    stages = [] if args.stages.strip() in ("", "none") else [s.strip() for s in args.stages.split(",")]
+    names = [] if args.stages.strip() in ("", "none") else [s.strip() for s in args.stages.split(",")]
+    stages = [("search", {"n_candidates": args.candidates}) if name == "search" else name for name in names]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trainset, valset = _train_and_dev(proto, args.train, args.dev, args.seed)
     testset = load_split(proto, proto.report_split, limit=args.test, seed=args.seed)
-    lm, adapter = make_lm(args.lm, api_base=args.api_base)
+    lm, adapter = make_lm(args.lm, api_base=args.api_base, max_tokens=args.max_tokens)
     program = build_program(proto.name, args.program)
 
     from flowopt.compiler import Budget, compile
@@ -80,17 +81,19 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def make_lm(model: str, *, api_base: str | None = None) -> tuple[Any, Any]:
+def make_lm(model: str, *, api_base: str | None = None, max_tokens: int = 256) -> tuple[Any, Any]:
     """The LM and adapter for ``--lm``: local models (embedded name or folder) get the completion adapter."""
     if model.startswith("local/") or model == "gemma-3-270m" or Path(model).is_dir():
         from flowopt.lm import LocalLM, adapter_for
 
-        local = LocalLM(model.removeprefix("local/"))
+        local = LocalLM(model.removeprefix("local/"), max_new_tokens=max_tokens)
         return local.lm, adapter_for(local.lm)
     if "/" not in model:
         raise ConfigError(f"--lm {model!r} is neither a local model nor a litellm provider/model name",
                           fix="use e.g. --lm openai/gpt-4o-mini, --lm gemma-3-270m or a model folder")
-    kwargs: dict[str, Any] = {"api_base": api_base} if api_base else {}
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
+    if api_base:
+        kwargs["api_base"] = api_base
     if api_base and model.startswith("openai/"):
         kwargs["api_key"] = "local"  # OpenAI-compatible local servers ignore it; litellm insists on one
     return dspy.LM(model, **kwargs), None

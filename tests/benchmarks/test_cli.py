@@ -24,7 +24,7 @@ def gsm8k_answer(request):
 @pytest.fixture
 def scripted(monkeypatch):
     lm = scripted_lm(gsm8k_answer, cache=False)
-    monkeypatch.setattr(runner, "make_lm", lambda model, api_base=None: (lm, None))
+    monkeypatch.setattr(runner, "make_lm", lambda model, **kwargs: (lm, None))
     return lm
 
 
