@@ -34,6 +34,7 @@ import hashlib
 import logging
 import math
 import statistics
+import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -190,7 +191,9 @@ class RandomSearch(Stage):
             study.enqueue_trial(space.fixed_params(), user_attrs={"candidate": number, "kind": kind, "demos": demos})
         else:
             study.sampler = self._sampler(ctx.seed, number)
-        trial = study.ask()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Heartbeat of storage")  # we ask/tell, heartbeats still run
+            trial = study.ask()
         if "candidate" not in trial.user_attrs:
             trial.set_user_attr("candidate", number)
             trial.set_user_attr("kind", "sampled")
@@ -288,7 +291,9 @@ class RandomSearch(Stage):
             storage = f"sqlite:///{ctx.run_dir / 'search.db'}"
         else:
             # Heartbeats let a shared study notice a worker that died and fail its trial.
-            storage = optuna.storages.RDBStorage(storage, heartbeat_interval=60, grace_period=180)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                storage = optuna.storages.RDBStorage(storage, heartbeat_interval=60, grace_period=180)
         study = optuna.create_study(storage=storage, study_name=self.study_name, direction="maximize",
                                     pruner=self._pruner(), load_if_exists=True)
         if not shared and ctx.run_dir is not None and not ctx.resume and study.get_trials(deepcopy=False):
@@ -297,7 +302,9 @@ class RandomSearch(Stage):
             study = optuna.create_study(storage=storage, study_name=self.study_name, direction="maximize",
                                         pruner=self._pruner())
         if shared:
-            optuna.storages.fail_stale_trials(study)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "experimental", "heartbeat meant for Study.optimize"
+                optuna.storages.fail_stale_trials(study)
         else:
             # Trials left RUNNING belong to a process that was killed (we are the only worker).
             for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):

@@ -50,7 +50,7 @@ def main() -> None:
                 if str(d.get("answer", "")).startswith("#")}
         return {"answer": reverse_answer(q) if q.split(":")[0] in cats else q}
 
-    from fakes import examples, exact
+    from fakes import exact, examples
 
     lm = scripted_lm(answer, latency_s=0.01, model="scripted/kill-test")
     stages = [("demos", {"max_labeled_demos": 4}),

@@ -1,0 +1,157 @@
+"""RandomSearch: seeded and sampled candidates, instructions, node settings, samplers, pruning, storage."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import dspy
+import optuna
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "compiler"))
+from fakes import category_lm, exact, examples, reverse_answer
+
+import flowopt
+from flowopt import ConfigError
+from flowopt.modules import Predict, ScEnsemble
+from flowopt.optimizers.search import RandomSearch
+from flowopt.testing import scripted_lm
+
+TRAIN, VAL = examples(15, categories=True), examples(12, 100, categories=True)
+
+
+def _search(lm, stage, program=None, **kwargs):
+    with dspy.context(lm=lm):
+        return flowopt.compile(program or dspy.Predict("question -> answer"), TRAIN, exact, valset=VAL,
+                               stages=[stage], quiet=True, num_threads=4, **kwargs)
+
+
+def _study(run_dir: Path) -> optuna.Study:
+    return optuna.load_study(study_name="flowopt-search", storage=f"sqlite:///{run_dir}/stages/00-search/search.db")
+
+
+def test_seeded_candidates_mirror_bfrs_and_reach_the_optimum(tmp_path):
+    out = _search(category_lm(), RandomSearch(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3),
+                  run_dir=tmp_path)
+    kinds = [t.user_attrs["kind"] for t in sorted(_study(tmp_path).trials, key=lambda t: t.number)]
+    assert kinds == ["incumbent", "zero-shot", "labeled", "bootstrap-0", "bootstrap-1", "bootstrap-2", "bootstrap-3"]
+    complete = [t.value for t in _study(tmp_path).trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert out.report.best_score == max(complete) > out.report.baseline_score == 0.0
+
+
+def test_sampled_demo_subsets_come_from_the_pooled_demos():
+    out = _search(category_lm(), RandomSearch(n_candidates=6, seeded=0, max_demos=3, pool_size=4, pruner="none"))
+    row = out.report.stage("search")
+    assert row.candidates_tried == 6 and row.info["pool_demos"]["self"] >= 4
+    questions = {e.question for e in TRAIN}
+    assert all(d.question in questions and d.answer.startswith("#") for d in out.demos)
+
+
+def test_instruction_candidates_from_a_proposer_lm():
+    proposer = scripted_lm(lambda req: {"instruction": "Reverse the question and prefix it with #."},
+                           model="scripted/proposer", cache=False)
+
+    def answer(req):  # right only under the proposed instruction
+        q = req.inputs.get("question", "")
+        return {"answer": reverse_answer(q) if "Reverse the question" in req.system else q}
+
+    lm = scripted_lm(answer, model="scripted/instr")
+    out = _search(lm, RandomSearch(n_candidates=6, seeded=0, max_demos=0, proposer_lm=proposer, n_proposals=2,
+                                   pruner="none"))
+    assert proposer.engine.calls == 2
+    assert out.report.best_score == 1.0
+    assert out.signature.instructions.startswith("Reverse the question")
+
+
+def test_temperature_and_ensemble_n_are_searched_on_a_workflow():
+    def answer(req):  # right only when sampled at temperature 0.3
+        q = req.inputs.get("question", "")
+        return {"reasoning": "r", "answer": reverse_answer(q) if req.temperature == 0.3 else q}
+
+    wf = flowopt.chain("question -> answer", ScEnsemble("question -> answer", n=1, temperature=0.7))
+    out = _search(scripted_lm(answer, model="scripted/temp"),
+                  RandomSearch(n_candidates=8, seeded=0, max_demos=0, temperatures=(0.3,), ensemble_n=(2,),
+                               pruner="none"), program=wf)
+    assert out.report.best_score == 1.0
+    node = next(iter(out.nodes.values()))
+    assert node.temperature == 0.3 and node.n in (1, 2)
+
+
+def test_tpe_sampler_runs_in_waves_and_is_deterministic():
+    stage = RandomSearch(n_candidates=8, seeded=1, max_demos=2, pool_size=4, sampler="tpe", parallel=2)
+    a = _search(category_lm(), stage)
+    b = _search(category_lm(), stage)
+    assert [d.toDict() for d in a.demos] == [d.toDict() for d in b.demos]
+    assert a.report.stage("search").candidates_tried == 8
+
+
+def test_halving_prunes_trailing_candidates_and_saves_calls():
+    pruned = category_lm(cache=False)
+    full = category_lm(cache=False)
+    a = _search(pruned, RandomSearch(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3, minibatch_size=3))
+    b = _search(full, RandomSearch(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3, pruner="none"))
+    assert a.report.stage("search").info["pruned"] >= 3 and b.report.stage("search").info["pruned"] == 0
+    assert pruned.engine.calls < full.engine.calls
+    assert a.report.best_score > a.report.baseline_score and b.report.best_score > b.report.baseline_score
+
+
+def test_sqlite_storage_resumes_without_paying_again(tmp_path):
+    stage = RandomSearch(n_candidates=5, seeded=2, max_demos=2, max_labeled_demos=2)
+    _search(category_lm(), stage, run_dir=tmp_path)
+    assert (tmp_path / "stages" / "00-search" / "search.db").exists()
+    (tmp_path / "stages" / "00-search" / "output.json").unlink()  # as if killed at the very end
+    dspy.cache.reset_memory_cache()
+    lm = category_lm(model="scripted/other")  # a fresh model name: nothing in DSPy's cache
+    out = _search(lm, stage, run_dir=tmp_path, resume=True)
+    assert len(_study(tmp_path).trials) == 5  # no candidate was tried again
+    assert out.report.stage("search").candidates_tried == 5
+
+
+def test_journal_storage_is_available(tmp_path):
+    out = _search(category_lm(), RandomSearch(n_candidates=4, seeded=1, max_demos=2, storage="journal"),
+                  run_dir=tmp_path)
+    assert (tmp_path / "stages" / "00-search" / "search.journal").exists()
+    assert out.report.stage("search").candidates_tried == 4
+
+
+def test_rdb_url_storage_is_shared_by_workers(tmp_path):
+    url = f"sqlite:///{tmp_path / 'shared.db'}"  # stands in for postgresql://...
+    stage = RandomSearch(n_candidates=5, seeded=2, max_demos=2, max_labeled_demos=2, storage=url, study_name="s1")
+    first = _search(category_lm(), stage, run_dir=tmp_path / "w1")
+    lm = category_lm(cache=False)
+    second = _search(lm, stage, run_dir=tmp_path / "w2")  # another worker: finds every candidate done
+    study = optuna.load_study(study_name="s1", storage=url)
+    assert len(study.trials) == 5
+    assert second.report.stage("search").lm_calls < first.report.stage("search").lm_calls
+    assert [d.toDict() for d in second.demos] == [d.toDict() for d in first.demos]
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"n_candidates": 0}, "n_candidates must be an int >= 1"),
+    ({"seeded": -1}, "seeded must be an int >= 0"),
+    ({"sampler": "grid"}, "sampler must be one of"),
+    ({"pruner": "hyperband"}, "pruner must be one of"),
+    ({"reduction_factor": 1}, "reduction_factor must be an int >= 2"),
+    ({"minibatch_size": 0}, "minibatch_size must be an int >= 1"),
+    ({"temperatures": (3.0,)}, r"temperatures must be numbers in \[0, 2\]"),
+    ({"ensemble_n": (0,)}, "ensemble_n must be ints >= 1"),
+    ({"instructions": ["x"]}, "instructions must map predictor names"),
+    ({"storage": "mysql"}, "storage must be None, 'journal' or an optuna RDB URL"),
+])
+def test_settings_checks_say_how_to_fix(settings, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        RandomSearch(**settings)
+    assert "pass" in str(info.value) or "leave" in str(info.value)
+
+
+def test_file_storage_without_run_dir_is_a_config_error():
+    with dspy.context(lm=category_lm()), pytest.raises(ConfigError, match="needs a run_dir"):
+        flowopt.compile(dspy.Predict("question -> answer"), TRAIN, exact, valset=VAL,
+                        stages=[RandomSearch(n_candidates=2, storage="journal")], quiet=True)
+
+
+def test_workflow_predict_node_is_searchable():
+    wf = flowopt.chain("question -> answer", Predict("question -> answer"))
+    out = _search(category_lm(), RandomSearch(n_candidates=5, seeded=2, max_demos=3, max_labeled_demos=3), program=wf)
+    assert out.report.best_score >= out.report.baseline_score
