@@ -8,6 +8,7 @@ completion tokens; prompt and padding tokens are never scored.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,8 +63,13 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
 
 def _accepts_logits_to_keep(model: Any) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _forward_takes_logits_to_keep(type(base))
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_takes_logits_to_keep(cls: type) -> bool:
     try:
-        return "logits_to_keep" in inspect.signature(base.forward).parameters
+        return "logits_to_keep" in inspect.signature(cls.forward).parameters
     except (TypeError, ValueError):
         return False
 

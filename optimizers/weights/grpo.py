@@ -188,7 +188,8 @@ class GRPO(Stage):
         point = {"step": step + 1, "mean_reward": float(rewards.mean()), "reward_std": float(rewards.std()),
                  "mean_score": sum(scores) / len(scores) if scores else 0.0,
                  "format_failures": sum(r.error is not None for r in rollouts),
-                 "rollout_s": round(t1 - t0, 3), "update_s": round(t2 - t1, 3)}
+                 "rollout_s": round(t1 - t0, 3), "update_s": round(t2 - t1, 3), "step_s": round(t2 - t0, 3),
+                 "completion_tokens": sum(len(t.completion_ids) for t in items)}
         point.update({k: v for k, v in dataclasses.asdict(stats).items()})
         return point
 

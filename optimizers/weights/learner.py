@@ -67,8 +67,9 @@ class GRPOLearner:
         self.epsilon, self.epsilon_high, self.beta = epsilon, epsilon_high, beta
         self.aggregation, self.passes, self.micro = aggregation, passes, micro_batch_size
         self.max_grad_norm, self.temperature = max_grad_norm, temperature
+        self.params = policy.trainable_parameters()
         self.optimizer, self.scheduler = make_optimizer(
-            policy.trainable_parameters(), lr=learning_rate, weight_decay=weight_decay,
+            self.params, lr=learning_rate, weight_decay=weight_decay,
             total_steps=total_steps * passes, warmup=warmup_steps, schedule=lr_schedule)  # type: ignore[arg-type]
 
     def _micro_batches(self, items: Sequence[ScoredTransition]) -> list[_Micro]:
@@ -130,8 +131,7 @@ class GRPOLearner:
                         clip_high += float((tl.clipped_high * mask).sum())
                         if tl.kl is not None:
                             kl_sum += float((tl.kl * mask).sum())
-                    params = policy.trainable_parameters()
-                    norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
+                    norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or float("inf"))
                     self.optimizer.step()
                     self.scheduler.step()
                     stats.loss, stats.grad_norm = loss_sum, float(norm)

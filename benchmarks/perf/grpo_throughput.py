@@ -1,0 +1,398 @@
+"""GRPO step throughput: flowopt against TRL's GRPOTrainer on the same model, batch, group size and lengths.
+
+Three implementations do the same work per step: B prompts x G sampled completions (temperature 1, up to
+``--completion`` tokens, stop at EOS), one reward per completion (first word equals the target), group
+advantages, one optimizer step of the clipped surrogate with the k3 KL to the adapter-disabled model
+(``--beta``), LoRA r=16 on all linear layers, AdamW, ``loss_type="dapo"``:
+
+- ``flowopt``: flowopt's sampler and GRPO learner on token ids (the same inputs TRL gets);
+- ``stage``:   the whole flowopt GRPO stage: a DSPy program (``dspy.Predict`` with the completion adapter)
+               run B x G times through DSPy, every LM call recorded as a transition, then the same update;
+- ``trl``:     ``trl.GRPOTrainer`` (TRL is a development dependency of this script only).
+
+Each implementation starts from the same randomly initialised weights; warm-up steps are not timed;
+implementations are interleaved over ``--repeats`` rounds and the median is reported.
+
+Run (CPU):  python benchmarks/perf/grpo_throughput.py
+Run (GPU):  python benchmarks/perf/grpo_throughput.py --model gemma-shaped --device cuda --batch 8 --group 8 \
+                --completion 64 --out-name grpo_throughput_gpu
+Writes benchmarks/results/<out-name>.{json,md}. Goal (issue 6): flowopt's steps/s >= TRL's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+COLORS = ["red", "blue", "green", "black", "white", "pink", "gold", "gray"]
+ANIMALS = ["cat", "dog", "cow", "pig", "owl", "fox", "bee", "ant"]
+NOISE = ["sun", "moon", "star", "tree", "rock", "lake", "hill", "road"]
+LABELS = ["Noise:", "Cue:", "Word:", "---", "Answer."]
+LORA = {"r": 16, "alpha": 32}
+LEARNING_RATE = 1e-5
+
+
+# ----------------------------------------------------------------------------- shared setup
+def build_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """Fresh weights, identical for every call (seeded)."""
+    import torch
+
+    from flowopt.optimizers.weights.tiny import tiny_causal_lm, word_tokenizer
+
+    words = COLORS + ANIMALS + NOISE + LABELS
+    if args.model == "tiny":
+        model, tokenizer = tiny_causal_lm(words, hidden_size=args.hidden, layers=args.layers, seed=0)
+    else:  # Gemma 3 270M's shape with random weights: the real work of a 270M step, no download
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        vocab = 262144
+        filler = [f"w{i}" for i in range(vocab)]
+        tokenizer = word_tokenizer(words + filler[: vocab - len(words) - 20])
+        config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=640, intermediate_size=2048,
+                                  num_hidden_layers=args.gemma_layers, num_attention_heads=4, num_key_value_heads=1,
+                                  head_dim=256,
+                                  max_position_embeddings=32768, sliding_window=512,
+                                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id)
+        torch.manual_seed(0)
+        with torch.device(args.device):
+            model = Gemma3ForCausalLM(config)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = model.to(device=args.device, dtype=dtype).eval()
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+def examples(n: int) -> list[dict[str, str]]:
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        k = rng.randrange(len(COLORS))
+        out.append({"noise": " ".join(rng.sample(NOISE, 2)), "cue": COLORS[k], "target": ANIMALS[k]})
+    return out
+
+
+def prompt_text(example: dict[str, str]) -> str:
+    """The prompt exactly as the completion adapter writes it for the DSPy program of the ``stage`` run
+    (checked against the adapter when DSPy is installed)."""
+    return f"Answer.\n\n---\n\nNoise: {example['noise']}\nCue: {example['cue']}\nWord:"
+
+
+def check_prompt_text() -> None:
+    import dspy
+
+    from flowopt.lm import CompletionAdapter
+
+    example = examples(1)[0]
+    signature = dspy.Signature("noise, cue -> word", "Answer.")
+    written = CompletionAdapter().format(signature, [], {"noise": example["noise"], "cue": example["cue"]})
+    assert written[0]["content"] == prompt_text(example), written
+
+
+def ensure_importable() -> bool:
+    """True when DSPy (hence the whole flowopt stack) is importable. Otherwise (e.g. a GPU image without
+    DSPy) register flowopt's packages as bare modules so the torch-side modules import on their own."""
+    try:
+        import dspy  # noqa: F401
+
+        return True
+    except ImportError:
+        import types
+
+        root = Path(__file__).resolve().parents[2]
+        folders = {"flowopt": root / "flowopt", "flowopt.lm": root / "flowopt" / "lm",
+                   "flowopt.optimizers": root / "optimizers",
+                   "flowopt.optimizers.weights": root / "optimizers" / "weights"}
+        for name, folder in folders.items():
+            if name not in sys.modules:
+                module = types.ModuleType(name)
+                module.__path__ = [str(folder)]
+                sys.modules[name] = module
+        return False
+
+
+def reward(completion: str, target: str) -> float:
+    words = completion.split()
+    return float(bool(words) and words[0] == target)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _peak_reset(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib(device: str) -> float | None:
+    if device.startswith("cuda"):
+        import torch
+
+        return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return None
+
+
+# ----------------------------------------------------------------------------- flowopt, token level
+def run_flowopt(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from flowopt.lm.local import LocalLM
+    from flowopt.optimizers.weights.advantages import group_advantages
+    from flowopt.optimizers.weights.learner import GRPOLearner, ScoredTransition
+    from flowopt.optimizers.weights.policy import LoraSettings, Policy
+    from flowopt.optimizers.weights.sampling import sample_batch
+
+    model, tokenizer = build_model(args)
+    local = LocalLM.from_model(model, tokenizer, name="bench")
+    policy = Policy(local, lora=LoraSettings(**LORA))
+    policy.start_adapter("bench", seed=0)
+    total = args.warmup + args.steps
+    learner = GRPOLearner(policy, total_steps=total, learning_rate=LEARNING_RATE, beta=args.beta, aggregation="dapo",
+                          micro_batch_size=args.batch * args.group, temperature=1.0)
+    data = examples(args.batch * total)
+    gen = torch.Generator(device=policy.device).manual_seed(0)
+    times, tokens = [], []
+    _peak_reset(args.device)
+    for step in range(total):
+        _sync(args.device)
+        t0 = time.perf_counter()
+        batch = data[step * args.batch:(step + 1) * args.batch]
+        prompts = [policy.render([{"role": "user", "content": prompt_text(ex)}]) for ex in batch]
+        rows = [p for p in prompts for _ in range(args.group)]
+        with policy.lock:
+            out = sample_batch(policy.model, rows, max_new_tokens=args.completion, temperature=1.0,
+                               eos_ids=policy.eos_ids, pad_id=policy.pad_id, generator=gen)
+        rewards = torch.tensor([reward(policy.decode(o.completion_ids), batch[i // args.group]["target"])
+                                for i, o in enumerate(out)])
+        advantages = group_advantages(rewards.view(args.batch, args.group)).flatten().tolist()
+        learner.update([ScoredTransition(rows[i], o.completion_ids, o.logprobs, advantages[i])
+                        for i, o in enumerate(out)])
+        _sync(args.device)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            tokens.append(sum(len(o.completion_ids) for o in out))
+    local.close()
+    return {"step_s": times, "completion_tokens": tokens, "peak_gib": _peak_gib(args.device)}
+
+
+# ----------------------------------------------------------------------------- flowopt, whole stage
+def run_stage(args: argparse.Namespace) -> dict[str, Any]:
+    import dspy
+
+    from flowopt.compiler.budget import BudgetTracker
+    from flowopt.compiler.context import StageContext
+    from flowopt.lm import CompletionAdapter
+    from flowopt.lm.local import LocalLM
+    from flowopt.optimizers.weights import GRPO, LoraSettings
+
+    model, tokenizer = build_model(args)
+    local = LocalLM.from_model(model, tokenizer, name="bench", max_new_tokens=args.completion)
+    program = dspy.Predict(dspy.Signature("noise, cue -> word", "Answer."))
+    program.lm = local.lm
+    trainset = [dspy.Example(noise=ex["noise"], cue=ex["cue"], word=ex["target"]).with_inputs("noise", "cue")
+                for ex in examples(64)]
+
+    def metric(example: Any, prediction: Any, trace: Any = None) -> float:
+        return reward(str(prediction.word), example.word)
+
+    ctx = StageContext(trainset=trainset, valset=[], metric=metric, budget=BudgetTracker(), seed=0,
+                       rng=random.Random(0), run_dir=None, stage_name="grpo")
+    stage = GRPO(steps=args.warmup + args.steps, batch_size=args.batch, group_size=args.group,
+                 max_new_tokens=args.completion, learning_rate=LEARNING_RATE, beta=args.beta, aggregation="dapo",
+                 micro_batch_size=args.batch * args.group, lora=LoraSettings(**LORA), plot=False,
+                 checkpoint_every=0, adapter=CompletionAdapter(continue_missing=False))
+    _peak_reset(args.device)
+    stage.run(program, ctx)
+    curve = ctx.info["reward_curve"][args.warmup:]
+    local.close()
+    return {"step_s": [p["step_s"] for p in curve], "completion_tokens": [p["completion_tokens"] for p in curve],
+            "peak_gib": _peak_gib(args.device)}
+
+
+# ----------------------------------------------------------------------------- TRL
+def run_trl(args: argparse.Namespace) -> dict[str, Any]:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    model, tokenizer = build_model(args)
+    total = args.warmup + args.steps
+    data = examples(args.batch * total)
+    dataset = Dataset.from_list([{"prompt": prompt_text(ex), "target": ex["target"]} for ex in data])
+
+    def reward_fn(completions: list[str], target: list[str], **_: Any) -> list[float]:
+        return [reward(c, t) for c, t in zip(completions, target)]
+
+    times: list[float] = []
+    tokens: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            _sync(args.device)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, _args: Any, state: Any, *a: Any, **k: Any) -> None:
+            _sync(args.device)
+            if state.global_step > args.warmup:
+                times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, _args: Any, state: Any, control: Any, logs: Any = None, **k: Any) -> None:
+            if logs and "completions/mean_length" in logs and state.global_step > args.warmup:
+                tokens.append(logs["completions/mean_length"] * args.batch * args.group)
+
+    cuda = args.device.startswith("cuda")
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=args.batch * args.group,
+        gradient_accumulation_steps=1, num_generations=args.group, max_completion_length=args.completion,
+        max_steps=total, learning_rate=LEARNING_RATE, lr_scheduler_type="constant", beta=args.beta,
+        loss_type="dapo", scale_rewards="group", temperature=1.0, num_iterations=1, logging_steps=1,
+        save_strategy="no", report_to="none", use_cpu=not cuda, bf16=cuda, seed=0, shuffle_dataset=False,
+        disable_tqdm=True, dataloader_num_workers=0)
+    peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
+                             task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=[Timer()])
+    _peak_reset(args.device)
+    trainer.train()
+    return {"step_s": times, "completion_tokens": tokens, "peak_gib": _peak_gib(args.device)}
+
+
+RUNNERS = {"flowopt": run_flowopt, "stage": run_stage, "trl": run_trl}
+
+
+# ----------------------------------------------------------------------------- report
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    per_run = [statistics.median(r["step_s"]) for r in runs if r["step_s"]]
+    step_s = statistics.median(per_run)
+    tokens = [t for r in runs for t in r["completion_tokens"]]
+    peaks = [r["peak_gib"] for r in runs if r.get("peak_gib") is not None]
+    return {"median_step_s": round(step_s, 4), "steps_per_s": round(1.0 / step_s, 3),
+            "mean_completion_tokens_per_step": round(statistics.mean(tokens), 1) if tokens else None,
+            "peak_gpu_gib": max(peaks) if peaks else None, "runs_median_step_s": [round(x, 4) for x in per_run]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["tiny", "gemma-shaped"], default="tiny")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--gemma-layers", type=int, default=18, help="layers of the gemma-shaped model")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (both sides)")
+    parser.add_argument("--batch", type=int, default=4, help="prompts per step (B)")
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--completion", type=int, default=16, help="max completion tokens")
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--impls", default="flowopt,stage,trl")
+    parser.add_argument("--out-name", default="grpo_throughput")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+    for noisy in ("dspy", "LiteLLM", "httpx", "transformers", "trl", "flowopt"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    impls = [i for i in args.impls.split(",") if i]
+    if ensure_importable():
+        check_prompt_text()
+    elif "stage" in impls:
+        print("DSPy is not installed: the stage (a DSPy program) is not measured", file=sys.stderr)
+        impls.remove("stage")
+    available = {}
+    for impl in impls:
+        if impl == "trl":
+            try:
+                import trl
+
+                available["trl"] = trl.__version__
+            except ImportError:
+                print("TRL is not installed: measuring flowopt only", file=sys.stderr)
+                continue
+        available.setdefault(impl, "")
+    runs: dict[str, list[dict[str, Any]]] = {i: [] for i in available}
+    for repeat in range(args.repeats):
+        for impl in available:
+            started = time.perf_counter()
+            runs[impl].append(RUNNERS[impl](args))
+            print(f"round {repeat + 1}/{args.repeats} {impl}: median step "
+                  f"{statistics.median(runs[impl][-1]['step_s']):.3f}s ({time.perf_counter() - started:.0f}s total)",
+                  file=sys.stderr)
+    results = {impl: summarise(r) for impl, r in runs.items()}
+    write(args, results, available)
+    return 0
+
+
+def write(args: argparse.Namespace, results: dict[str, Any], versions: dict[str, str]) -> None:
+    import peft
+    import torch
+    import transformers
+
+    from flowopt.io import atomic_write_json, atomic_write_text
+
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    command = "python benchmarks/perf/grpo_throughput.py " + " ".join(sys.argv[1:])
+    payload = {"command": command.strip(), "settings": vars(args), "device": device,
+               "machine": f"{platform.platform()}, {platform.machine()}, python {platform.python_version()}",
+               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                            "peft": peft.__version__, "trl": versions.get("trl") or None},
+               "results": results}
+    if "trl" in results:
+        payload["flowopt_vs_trl"] = {impl: round(results[impl]["steps_per_s"] / results["trl"]["steps_per_s"], 3)
+                                     for impl in results if impl != "trl"}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(RESULTS / f"{args.out_name}.json", payload)
+    model = (f"tiny Llama (hidden {args.hidden}, {args.layers} layers)" if args.model == "tiny"
+             else f"Gemma 3 270M shape ({args.gemma_layers} layers, vocab 262144, random weights)")
+    lines = [
+        f"# GRPO step throughput: flowopt vs TRL GRPOTrainer ({args.device})", "",
+        f"Command: `{payload['command']}`  ",
+        f"Device: {device}; {payload['machine']}; torch threads {args.threads}  ",
+        f"Versions: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
+        f"trl {versions.get('trl') or 'not installed'}  ",
+        f"Model: {model}, {'bf16' if args.device.startswith('cuda') else 'fp32'}; LoRA r={LORA['r']} all linear; "
+        f"B={args.batch} prompts x G={args.group} completions, up to {args.completion} tokens, temperature 1, "
+        f"beta={args.beta} (reference = adapter disabled), loss dapo, 1 optimizer step per generation.  ",
+        f"{args.steps} timed steps after {args.warmup} warm-up steps, {args.repeats} interleaved rounds; "
+        "median step time.", "",
+        "| implementation | median step (s) | steps/s | vs TRL | completion tokens/step | peak GPU GiB |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    names = {"flowopt": "flowopt (sampler + learner, token ids)", "stage": "flowopt GRPO stage (DSPy program)",
+             "trl": f"TRL GRPOTrainer {versions.get('trl', '')}"}
+    for impl, r in results.items():
+        ratio = payload.get("flowopt_vs_trl", {}).get(impl, 1.0 if impl == "trl" else None)
+        lines.append(f"| {names[impl]} | {r['median_step_s']:.3f} | {r['steps_per_s']:.2f} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}x'} | {r['mean_completion_tokens_per_step'] or '-'} | "
+                     f"{r['peak_gpu_gib'] if r['peak_gpu_gib'] is not None else '-'} |")
+    if "trl" in results:
+        met = all(v >= 1.0 for v in payload["flowopt_vs_trl"].values())
+        lines += ["", f"Goal (steps/s >= TRL's): {'met' if met else 'not met'} "
+                  f"({', '.join(f'{k} {v:.2f}x' for k, v in payload['flowopt_vs_trl'].items())})."]
+    atomic_write_text(RESULTS / f"{args.out_name}.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
