@@ -339,6 +339,14 @@ class LocalLM:
         self._check_length(prompt_ids, settings.max_new_tokens)
         return self._batcher.submit((list(prompt_ids), settings), group=self._state())
 
+    def complete_many(self, prompt_ids: Sequence[int], settings: Sequence[RowSettings]) -> list[Sample]:
+        """Several completions of one prompt through the batcher (they join the same batch; thread-safe)."""
+        for row in settings:
+            self._check_length(prompt_ids, row.max_new_tokens)
+        state = self._state()
+        futures = [self._batcher.submit_async((list(prompt_ids), row), group=state) for row in settings]
+        return [future.result() for future in futures]
+
     def generate(self, prompts: Sequence[Prompt], *, n: int = 1, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop: Sequence[str] = (), logprobs: bool = True, batch_size: int | None = None) -> list[Sample]:

@@ -7,10 +7,13 @@ tests load it through the same code path as a real checkpoint folder.
 
 from __future__ import annotations
 
-import socket
+import os
 from pathlib import Path
 
 import pytest
+
+# litellm fetches a model price list from GitHub when imported; tests stay offline.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 CORPUS = [
     "Question: What is two plus two?\nAnswer: four",
@@ -66,10 +69,3 @@ def tiny_local(tiny_model_dir: Path):
     local = LocalLM(tiny_model_dir, device="cpu", max_new_tokens=12, batch_wait_ms=30)
     yield local
     local.close()
-
-
-@pytest.fixture
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -102,5 +102,5 @@ def test_training_a_fresh_lora_and_saving_it(local, tmp_path):
 
 
 def test_loading_a_missing_adapter_is_a_config_error(local, tmp_path):
-    with pytest.raises(ConfigError, match="adapter_config.json"):
+    with pytest.raises(ConfigError, match=r"adapter_config\.json"):
         local.load_adapter(tmp_path)
