@@ -71,9 +71,28 @@ class Edit(abc.ABC):
             _EDIT_KINDS[cls.kind] = cls
 
     # -- public API ------------------------------------------------------------------------------
-    def apply(self, workflow: Workflow) -> Workflow:
-        """Return the edited workflow, validated; raise :class:`InvalidEdit` with the reason."""
-        data = copy.deepcopy(workflow.to_dict())
+    def apply(self, workflow: Workflow, *, ir: IR | None = None) -> Workflow:
+        """Return the edited workflow, validated; raise :class:`InvalidEdit` with the reason.
+
+        ``ir`` is ``workflow.to_dict()`` when the caller already has it (it is not modified): a
+        proposer that tries many edits of one workflow serialises it once.
+        """
+        data = self.apply_ir(workflow.to_dict() if ir is None else ir)
+        try:
+            new = Workflow.from_dict(data)
+        except FlowoptError as err:
+            raise InvalidEdit(self, f"the result does not validate: {err}", node=self.node) from err
+        # to_dict turns live LM clients into specs; keep the caller's clients (they hold engines,
+        # caches and keys that a spec cannot carry).
+        new.lms.update({name: lm for name, lm in workflow.lms.items() if name in new.lms})
+        return new
+
+    def apply_ir(self, ir: IR) -> IR:
+        """The edited IR data (a new dict; ``ir`` is not modified), before ``Workflow.from_dict`` validates it.
+
+        Raises :class:`InvalidEdit` when a precondition of the edit fails.
+        """
+        data = copy.deepcopy(ir)
         node = _find(data, self.node)
         if node is None:
             raise InvalidEdit(self, f"no node {self.node!r} (nodes: {[n['id'] for n in data['nodes']]})",
@@ -84,14 +103,7 @@ class Edit(abc.ABC):
             raise
         except FlowoptError as err:
             raise InvalidEdit(self, err.problem, node=self.node) from err
-        try:
-            new = Workflow.from_dict(data)
-        except FlowoptError as err:
-            raise InvalidEdit(self, f"the result does not validate: {err}", node=self.node) from err
-        # to_dict turns live LM clients into specs; keep the caller's clients (they hold engines,
-        # caches and keys that a spec cannot carry).
-        new.lms.update({name: lm for name, lm in workflow.lms.items() if name in new.lms})
-        return new
+        return data
 
     @abc.abstractmethod
     def describe(self) -> str:

@@ -113,11 +113,14 @@ class Vocabulary:
                     out += [SetConfig(node_id, key, v) for v in values if config.get(key) != v]
         return [e for e in out if e.kind in self.kinds]
 
-    def check(self, edit: Edit, workflow: Workflow) -> Workflow:
-        """Apply ``edit`` under this vocabulary's limits; raise :class:`InvalidEdit` with the reason."""
+    def check(self, edit: Edit, workflow: Workflow, *, ir: dict[str, Any] | None = None) -> Workflow:
+        """Apply ``edit`` under this vocabulary's limits; raise :class:`InvalidEdit` with the reason.
+
+        ``ir`` is ``workflow.to_dict()`` when the caller already has it (see :meth:`Edit.apply`).
+        """
         if edit.kind not in self.kinds:
             raise InvalidEdit(edit, f"kind {edit.kind!r} is not allowed here (allowed: {list(self.kinds)})")
-        new = edit.apply(workflow)
+        new = edit.apply(workflow, ir=ir)
         if len(new.nodes) > self.max_nodes:
             raise InvalidEdit(edit, f"the graph would have {len(new.nodes)} nodes, over the limit {self.max_nodes}")
         return new
@@ -142,9 +145,10 @@ class RuleProposer:
     def valid_edits(self, workflow: Workflow) -> list[tuple[Edit, Workflow]]:
         """All edits that apply and validate, with the workflows they produce."""
         valid = []
+        ir = workflow.to_dict()  # serialised once, not once per edit
         for edit in self.vocabulary.candidates(workflow):
             try:
-                valid.append((edit, self.vocabulary.check(edit, workflow)))
+                valid.append((edit, self.vocabulary.check(edit, workflow, ir=ir)))
             except InvalidEdit as err:
                 logger.debug("skipping %s: %s", edit.describe(), err.reason)
         return valid
@@ -155,9 +159,11 @@ class RuleProposer:
         # The first valid edit of a uniform random order is uniform over the valid edits, and costs
         # one validation per refused candidate instead of validating them all.
         rng.shuffle(options)
+        ir: dict[str, Any] | None = None
         for edit in options:
             try:
-                return Proposal(edit, self.vocabulary.check(edit, workflow))
+                ir = workflow.to_dict() if ir is None else ir
+                return Proposal(edit, self.vocabulary.check(edit, workflow, ir=ir))
             except InvalidEdit as err:
                 logger.debug("skipping %s: %s", edit.describe(), err.reason)
         raise NoProposal("every valid edit of this workflow was tried", fix="select another node")

@@ -23,7 +23,7 @@ from flowopt.io import atomic_write_json
 from flowopt.optimizers.structure.edits import Edit, edit_from_dict
 from flowopt.optimizers.structure.proposers import NoProposal, ProposalContext, Proposer
 from flowopt.optimizers.structure.selection import select_mixed, select_uct
-from flowopt.optimizers.structure.tree import SearchTree, TreeNode, workflow_key
+from flowopt.optimizers.structure.tree import SearchTree, TreeNode, ir_key, workflow_key
 from flowopt.workflow import Workflow
 
 logger = logging.getLogger(__name__)
@@ -200,11 +200,11 @@ class MCTS:
     # ------------------------------------------------------------------------------ steps
     def _start(self, program: Workflow, state: dict[str, Any]) -> None:
         evaluation = self._score(program, state)
-        key = workflow_key(program.canonical_json())
-        root = state["tree"].add(None, None, "initial workflow", key, program.to_dict(), score=evaluation.score,
+        ir = program.to_dict()
+        root = state["tree"].add(None, None, "initial workflow", ir_key(ir), ir, score=evaluation.score,
                                  evaluation=state["evaluations"])
         state["tree"].backpropagate(root.id, evaluation.score)
-        state["failures"][key] = evaluation.failures
+        state["failures"][root.key] = evaluation.failures
         state["history"].append(state["tree"].top_k_mean(self.settings.top_k))
         state["log"].append({"round": 0, "event": "root", "child": 0, "score": evaluation.score,
                              "evaluations": state["evaluations"]})
@@ -228,7 +228,8 @@ class MCTS:
             logger.debug("node %d exhausted: %s", node.id, err)
             return
         edit = proposal.edit
-        key = workflow_key(proposal.workflow.canonical_json())
+        ir = proposal.workflow.to_dict()  # one serialisation gives the cache key and the tree's copy
+        key = ir_key(ir)
         event: dict[str, Any] = {"round": state["round"] + 1, "parent": node.id, "edit": edit.to_dict(),
                                  "description": edit.describe(), "rejected": proposal.rejected}
         existing = tree.by_key(key)
@@ -238,7 +239,7 @@ class MCTS:
             event.update(event="duplicate", child=existing.id, score=existing.score, delta=delta)
         else:
             evaluation = self._score(proposal.workflow, state)
-            child = tree.add(node.id, edit.to_dict(), edit.describe(), key, proposal.workflow.to_dict(),
+            child = tree.add(node.id, edit.to_dict(), edit.describe(), key, ir,
                              score=evaluation.score, round=state["round"] + 1, evaluation=state["evaluations"])
             self._workflows[child.id] = proposal.workflow
             state["failures"][key] = evaluation.failures

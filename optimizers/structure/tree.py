@@ -17,6 +17,21 @@ def workflow_key(canonical_json: str) -> str:
     return hashlib.sha256(canonical_json.encode("utf-8")).hexdigest()[:32]
 
 
+def ir_key(ir: dict[str, Any]) -> str:
+    """``workflow_key(wf.canonical_json())`` from ``wf.to_dict()``, so one serialisation gives both.
+
+    Example:
+        >>> from flowopt import Workflow
+        >>> from flowopt.modules import Predict
+        >>> wf = Workflow("question -> answer").add("solve", Predict("question -> answer"))
+        >>> ir_key(wf.to_dict()) == workflow_key(wf.canonical_json())
+        True
+    """
+    from flowopt.ir import dumps
+
+    return workflow_key(dumps({k: v for k, v in ir.items() if k != "meta"}, indent=None, sort_keys=True))
+
+
 @dataclass
 class TreeNode:
     """One candidate workflow: the edit that made it from its parent, its score and statistics."""

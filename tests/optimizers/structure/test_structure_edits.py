@@ -173,3 +173,16 @@ def test_remove_never_feeds_a_list_into_a_str_input(toys):
 def test_malformed_edit_data_is_refused(data):
     with pytest.raises(InvalidEdit):
         edit_from_dict(data)
+
+
+def test_apply_with_a_given_ir_matches_apply_and_keys_agree(toys):
+    from flowopt.optimizers.structure import WrapEnsemble
+    from flowopt.optimizers.structure.tree import ir_key, workflow_key
+
+    wf = toys.two_step()
+    ir = wf.to_dict()
+    before = json.dumps(ir, sort_keys=True)
+    edit = WrapEnsemble("draft", 3)
+    assert edit.apply(wf, ir=ir).canonical_json() == edit.apply(wf).canonical_json()
+    assert json.dumps(ir, sort_keys=True) == before  # the given IR is not modified
+    assert ir_key(ir) == workflow_key(wf.canonical_json())

@@ -49,7 +49,7 @@ def test_compile_demos_search_structure_shows_each_stage(tmp_path):
     wf, train = _task()
     with dspy.context(lm=scripted_lm(_adder)):
         best = flowopt.compile(wf, train, _metric, run_dir=tmp_path, quiet=True,
-                               stages=["demos", ("search", {"n_candidates": 4}), ("structure", {"max_rounds": 6})])
+                               stages=["demos", ("search", {"n_candidates": 2}), ("structure", {"max_rounds": 4})])
     report = best.report
     baseline, demos, structure = report.stage("baseline"), report.stage("demos"), report.stage("structure")
     assert baseline.score == 0.0
@@ -57,14 +57,14 @@ def test_compile_demos_search_structure_shows_each_stage(tmp_path):
     assert structure.kept and structure.score == 1.0 and structure.change > 0
     assert report.best_score == 1.0
     info = structure.info
-    assert structure.candidates_tried >= 2 and structure.stop_reason == "max_rounds (6)"
+    assert structure.candidates_tried >= 2 and structure.stop_reason == "max_rounds (4)"
     assert info["edits"] and len(info["tree"]["nodes"]) == structure.candidates_tried
     # The winner keeps the demos stage's demos and runs "solve" with reasoning.
     assert type(best.nodes["solve"]).op_name in ("ChainOfThought", "ScEnsemble")
     assert any(p["demos"] for n in best.to_dict()["nodes"] for p in n["predictors"].values())
     stage_dir = next((tmp_path / "stages").glob("*-structure"))
     assert (stage_dir / "tree.png").read_bytes()[:4] == b"\x89PNG"
-    assert json.loads((stage_dir / "tree.json").read_text())["round"] == 6
+    assert json.loads((stage_dir / "tree.json").read_text())["round"] == 4
     with dspy.context(lm=scripted_lm(_adder)):
         assert best(question="What is 40 + 30?").answer == "70"
 
