@@ -114,7 +114,13 @@ class LocalLM:
     ``local.render(messages)`` (prompt ids exactly as generation builds them), ``local.generate(...)``
     (samples with prompt ids, completion ids and old log-probs), ``local.token_logprobs(...)`` and
     ``with local.adapter_disabled(): ...`` (the reference model). Hold ``local.lock`` around direct use
-    of ``local.model`` when other threads may be generating.
+    of ``local.model`` when other threads may be generating (and make no LM calls while holding it: the
+    batching thread needs it). After an optimizer step call :meth:`mark_weights_changed`, so DSPy's
+    cache stops answering with the old weights' results.
+
+    Through DSPy, ``n`` candidates are ``n`` engine calls of one request (DSPy's fan-out); with a fixed
+    ``seed`` they are therefore identical, so leave ``seed`` unset for diverse candidates, or use
+    :meth:`generate` (``n`` per prompt, each sample its own derived seed).
     """
 
     def __init__(self, model: str | os.PathLike[str] = "gemma-3-270m", *, device: str | None = None,

@@ -69,3 +69,23 @@ def tiny_local(tiny_model_dir: Path):
     local = LocalLM(tiny_model_dir, device="cpu", max_new_tokens=12, batch_wait_ms=30)
     yield local
     local.close()
+
+
+def _make_adapter(model_dir: Path, out: Path, seed: int) -> Path:
+    """A LoRA with random (non-zero) B matrices, so it really changes the outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    config = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"],
+                        init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture
+def make_adapter():
+    """``make_adapter(model_dir, out_dir, seed) -> out_dir``: save a random LoRA for the tiny model."""
+    return _make_adapter

@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from flowopt.errors import ConfigError
 
 PROMPTS = ["Question: what is 1 plus 1?\nAnswer:", "hello there", "The quick brown fox"]
-
-
-def _make_adapter(model_dir: Path, out: Path, seed: int) -> Path:
-    """A LoRA with random (non-zero) B matrices, so it really changes the outputs."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir))
-    config = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"],
-                        init_lora_weights=False)
-    get_peft_model(base, config).save_pretrained(str(out))
-    return out
 
 
 @pytest.fixture
@@ -38,10 +23,10 @@ def _greedy(local):
     return [s.completion_ids for s in local.generate(PROMPTS, temperature=0.0, logprobs=False)]
 
 
-def test_adapter_changes_outputs_and_disabling_restores_the_base(local, tiny_model_dir, tmp_path):
+def test_adapter_changes_outputs_and_disabling_restores_the_base(local, tiny_model_dir, tmp_path, make_adapter):
     base = _greedy(local)
     base_tag = local.lm.model
-    name = local.load_adapter(_make_adapter(tiny_model_dir, tmp_path / "a1", seed=1))
+    name = local.load_adapter(make_adapter(tiny_model_dir, tmp_path / "a1", seed=1))
     assert name == "a1" and local.active_adapter == "a1" and local.adapters == ["a1"]
     adapted = _greedy(local)
     assert adapted != base
@@ -56,10 +41,10 @@ def test_adapter_changes_outputs_and_disabling_restores_the_base(local, tiny_mod
     assert local.adapters == [] and _greedy(local) == base and local.lm.model == base_tag
 
 
-def test_switching_between_two_adapters(local, tiny_model_dir, tmp_path):
-    a = local.load_adapter(_make_adapter(tiny_model_dir, tmp_path / "a", seed=1))
+def test_switching_between_two_adapters(local, tiny_model_dir, tmp_path, make_adapter):
+    a = local.load_adapter(make_adapter(tiny_model_dir, tmp_path / "a", seed=1))
     out_a = _greedy(local)
-    b = local.load_adapter(_make_adapter(tiny_model_dir, tmp_path / "b", seed=2))
+    b = local.load_adapter(make_adapter(tiny_model_dir, tmp_path / "b", seed=2))
     out_b = _greedy(local)
     assert local.active_adapter == b and out_a != out_b
     local.set_adapter(a)
@@ -68,11 +53,11 @@ def test_switching_between_two_adapters(local, tiny_model_dir, tmp_path):
     assert local.adapters == [b] and _greedy(local) == out_b
 
 
-def test_reference_logprobs_equal_the_base_models(local, tiny_model_dir, tmp_path):
+def test_reference_logprobs_equal_the_base_models(local, tiny_model_dir, tmp_path, make_adapter):
     prompt = [local.render(PROMPTS[0])]
     completion = [[40, 41, 42, 43]]
     base = local.token_logprobs(prompt, completion)
-    local.load_adapter(_make_adapter(tiny_model_dir, tmp_path / "a", seed=3))
+    local.load_adapter(make_adapter(tiny_model_dir, tmp_path / "a", seed=3))
     adapted = local.token_logprobs(prompt, completion)
     with local.adapter_disabled():
         reference = local.token_logprobs(prompt, completion)

@@ -99,3 +99,23 @@ def test_cli_reports_a_missing_model_with_exit_status_2(tmp_path):
     from flowopt.lm.serve import cli_main
 
     assert cli_main(["serve", str(tmp_path / "missing"), "--port", "1"]) == 2
+
+
+def test_an_adapter_is_served_in_process(tiny_model_dir, tmp_path, make_adapter):
+    """create_app over a LocalLM with an adapter (what --adapter builds), through FastAPI's test client."""
+    from fastapi.testclient import TestClient
+
+    from flowopt.lm import LocalLM
+    from flowopt.lm.serve import create_app
+
+    adapter = make_adapter(tiny_model_dir, tmp_path / "lora", seed=5)
+    local = LocalLM(tiny_model_dir, device="cpu", adapter=adapter, max_new_tokens=8, batch_wait_ms=1)
+    client = TestClient(create_app(local))
+    assert client.get("/health").json()["adapter"] == "lora"
+    body = client.post("/v1/chat/completions", json={"messages": MESSAGES, "temperature": 0}).json()
+    expected = local.generate([MESSAGES], temperature=0.0, logprobs=False)[0].text
+    assert body["choices"][0]["message"]["content"] == expected
+    with local.adapter_disabled():
+        base = local.generate([MESSAGES], temperature=0.0, logprobs=False)[0].text
+    assert base != expected
+    local.close()
