@@ -126,3 +126,24 @@ def test_too_long_prompts_are_refused(tiny_local):
 
     with pytest.raises(LMError, match="context"):
         tiny_local.generate(["word " * 600], max_new_tokens=4)
+
+
+def test_models_with_a_chat_template_render_through_it_and_keep_the_chat_adapter(tiny_local):
+    import copy
+
+    from flowopt.errors import ConfigError
+    from flowopt.lm import LocalLM, adapter_for
+
+    tokenizer = copy.deepcopy(tiny_local.tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    chat = LocalLM.from_model(tiny_local.model, tokenizer, name="tiny-chat", max_new_tokens=4)
+    messages = [{"role": "user", "content": "hello"}]
+    assert chat.chat and not chat.is_base
+    assert chat.render_text(messages) == "<user>hello\n<assistant>"
+    assert chat.render(messages) == tokenizer("<user>hello\n<assistant>", add_special_tokens=False)["input_ids"]
+    assert isinstance(adapter_for(chat.lm), dspy.ChatAdapter)
+    assert chat.lm(messages=messages, cache=False)[0] == chat.generate([messages], logprobs=False)[0].text
+    with pytest.raises(ConfigError, match="in-memory"):
+        chat.to_spec()
+    chat.close()
