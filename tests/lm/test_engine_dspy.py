@@ -87,3 +87,13 @@ def test_dspy_state_files_record_the_spec_and_load_back(tiny_local):
     engine = LocalEngine.load_state(state["engine"]["state"])
     assert engine.local.source == tiny_local.source
     assert "api_key" not in str(state)
+
+
+def test_the_workflow_ir_round_trips_a_local_lm(tiny_local):
+    from flowopt.lm_spec import lm_from_spec as ir_lm_from_spec
+    from flowopt.lm_spec import lm_to_spec
+
+    spec = lm_to_spec(tiny_local.lm.copy(temperature=0.2))
+    assert spec["model"] == "local/tiny" and spec["temperature"] == 0.2
+    rebuilt = ir_lm_from_spec(spec)
+    assert local_of(rebuilt).source == tiny_local.source and rebuilt.kwargs["temperature"] == 0.2
