@@ -21,8 +21,9 @@ Programmer (code, then sandbox)   0.95   0.35
   correct one with probability 0.08 (a false alarm); the loop stops when the reviewer accepts. A
   revision fixes a flagged wrong answer with probability 0.6 if the question is *fixable* (half of
   them, fixed per question: the other half are beyond the model) and breaks a flagged correct answer
-  with probability 0.5. So refining helps weak answers, hurts strong ones, and extra rounds (or a
-  second Refine) soon cost more in false alarms than they fix.
+  with probability 0.5. So refining helps weak answers and hurts strong ones; extra rounds have
+  diminishing returns (in this space 4 rounds still beat 3, by 0.0008), and a second Refine costs more
+  in false alarms than it fixes.
 
 The score of a workflow is its **expected accuracy** under these rules, computed exactly from its
 graph (:func:`expected_accuracy`): deterministic per structure, with no 1/N ties between structures.
