@@ -89,3 +89,15 @@ def _make_adapter(model_dir: Path, out: Path, seed: int) -> Path:
 def make_adapter():
     """``make_adapter(model_dir, out_dir, seed) -> out_dir``: save a random LoRA for the tiny model."""
     return _make_adapter
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared CPU OpenMP threads that get
+    descheduled stall each other (several times slower); restored after each test."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -36,7 +36,7 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 def server(tiny_model_dir, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     with log.open("w") as handle:
         proc = subprocess.Popen([sys.executable, "-m", "flowopt.lm.serve", str(tiny_model_dir), "--port", str(port),
                                  "--name", "tiny-served", "--max-new-tokens", "12", "--log-level", "warning"],
