@@ -21,13 +21,11 @@ def resolve_policy(student: Any, program: dspy.Module, lora: LoraSettings) -> tu
 
     ``student=None`` trains the LocalLM the program already uses, else the embedded Gemma 3 270M.
     """
-    local = find_local(program)
+    local, adapter = find_local(program)
     if student is None:
         student = local if local is not None else DEFAULT_STUDENT
     policy = Policy.from_student(student, lora=lora)
-    start = None
-    if local is not None and local is policy.local:
-        start = local.active_adapter  # continue from an earlier weights stage
+    start = adapter if local is not None and local is policy.local else None  # continue an earlier stage
     return policy, start
 
 
@@ -66,12 +64,15 @@ def finish(program: dspy.Module, policy: Policy, ctx: Any, stage: str) -> tuple[
 
     if ctx.run_dir is not None:
         folder = Path(ctx.run_dir) / "adapter"
-        run_root = Path(ctx.run_dir).parent
+        # The compiler gives each stage <run>/stages/NN-name and writes <run>/program.json: record the
+        # adapter relative to <run>, where the program's JSON lives.
+        parent = Path(ctx.run_dir).parent
+        run_root = parent.parent if parent.name == "stages" else parent
     else:
         folder = Path(tempfile.mkdtemp(prefix=f"flowopt-{stage}-")) / "adapter"
         run_root = None
     folder, sha = policy.save_adapter(folder)
-    attach(program, policy.local, adapter_dir=folder, sha256=sha, run_root=run_root)
+    attach(program, policy.local, policy.adapter, adapter_dir=folder, sha256=sha, run_root=run_root)
     info = {"adapter": str(folder), "adapter_sha256": sha, "student": policy.local.name}
     logger.info("%s: adapter saved to %s (sha256 %s)", stage, folder, sha[:12])
     return program, info

@@ -62,11 +62,13 @@ class GRPOLearner:
     def __init__(self, policy: Policy, *, total_steps: int, learning_rate: float = 5e-5, weight_decay: float = 0.0,
                  lr_schedule: str = "constant", warmup_steps: int = 0, epsilon: float = 0.2,
                  epsilon_high: float | None = None, beta: float = 0.0, aggregation: str = "dapo", passes: int = 1,
-                 micro_batch_size: int = 8, max_grad_norm: float | None = 1.0, temperature: float = 1.0) -> None:
+                 micro_batch_size: int = 8, max_grad_norm: float | None = 1.0, temperature: float = 1.0,
+                 gradient_checkpointing: bool = False) -> None:
         self.policy = policy
         self.epsilon, self.epsilon_high, self.beta = epsilon, epsilon_high, beta
         self.aggregation, self.passes, self.micro = aggregation, passes, micro_batch_size
         self.max_grad_norm, self.temperature = max_grad_norm, temperature
+        self.gradient_checkpointing = gradient_checkpointing
         self.params = policy.trainable_parameters()
         self.optimizer, self.scheduler = make_optimizer(
             self.params, lr=learning_rate, weight_decay=weight_decay,
@@ -113,8 +115,7 @@ class GRPOLearner:
                 with torch.no_grad(), policy.reference():
                     for m in micros:
                         m.ref = completion_logprobs(model, m.batch, self.temperature)
-            model.train()
-            try:
+            with policy.training(gradient_checkpointing=self.gradient_checkpointing):
                 for _ in range(self.passes):
                     self.optimizer.zero_grad(set_to_none=True)
                     loss_sum = clip_low = clip_high = kl_sum = 0.0
@@ -137,9 +138,7 @@ class GRPOLearner:
                     stats.loss, stats.grad_norm = loss_sum, float(norm)
                     stats.clip_low, stats.clip_high = clip_low / total_tokens, clip_high / total_tokens
                     stats.kl = kl_sum / total_tokens
-            finally:
-                model.eval()
-                self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
             policy.weights_changed()
         return stats
 

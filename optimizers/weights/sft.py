@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, epochs: int = 3,
               learning_rate: float = 2e-4, batch_size: int = 8, micro_batch_size: int = 8,
               lr_schedule: str = "linear", warmup_steps: int = 0, weight_decay: float = 0.0,
-              max_grad_norm: float | None = 1.0, seed: int = 0) -> list[float]:
+              max_grad_norm: float | None = 1.0, seed: int = 0, gradient_checkpointing: bool = False) -> list[float]:
     """Train the policy's active adapter on ``(prompt_ids, completion_ids)`` pairs; returns the loss per step.
 
     The loss is the mean negative log-likelihood over the batch's completion tokens (prompt and padding
@@ -47,8 +47,7 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
     rng = random.Random(seed)
     losses: list[float] = []
     model = policy.model
-    with policy.lock:
-        model.train()
+    with policy.lock, policy.training(gradient_checkpointing=gradient_checkpointing):
         try:
             for _ in range(epochs):
                 order = list(range(len(pairs)))
@@ -70,7 +69,6 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
                     scheduler.step()
                     losses.append(step_loss)
         finally:
-            model.eval()
             optimizer.zero_grad(set_to_none=True)
         policy.weights_changed()
     return losses
@@ -104,6 +102,7 @@ class BootstrapFinetune(Stage):
     warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
+    gradient_checkpointing: bool = False
     metric_threshold: float | None = None
     max_length: int = 2048
     lora: LoraSettings = field(default_factory=LoraSettings)
@@ -164,7 +163,8 @@ class BootstrapFinetune(Stage):
         losses = sft_train(policy, data, epochs=self.epochs, learning_rate=self.learning_rate,
                            batch_size=self.batch_size, micro_batch_size=self.micro_batch_size,
                            lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps,
-                           weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=ctx.seed)
+                           weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=ctx.seed,
+                           gradient_checkpointing=self.gradient_checkpointing)
         ctx.logger.info("finetune: %d pairs, %d steps, loss %.4f -> %.4f", len(data), len(losses), losses[0],
                         losses[-1])
         program, saved = finish(program, policy, ctx, self.name)

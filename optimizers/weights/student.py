@@ -1,8 +1,9 @@
 """Find the student model of a program, and bind a trained adapter to a program.
 
 After a weights stage every predictor of the program runs on the student ``LocalLM`` with the trained
-adapter. For a :class:`flowopt.Workflow` that is written in the IR: ``lms["student"]`` (the LocalLM's
-spec, which names the adapter folder), every node's ``lm`` set to ``"student"``, and
+adapter, through an :class:`~flowopt.optimizers.weights.pinned.AdapterLM` bound to that adapter. For a
+:class:`flowopt.Workflow` that is written in the IR: ``lms["student"]`` (the LocalLM's spec, which
+names the adapter folder), every node's ``lm`` set to ``"student"``, and
 ``weights["student"] = {"base", "adapter", "sha256"}`` with the adapter path relative to the compile
 run folder. Other ``dspy.Module`` programs get the LM on each predictor, as DSPy's own optimizers do.
 """
@@ -31,22 +32,26 @@ def program_lms(program: dspy.Module) -> list[Any]:
     return lms
 
 
-def find_local(program: dspy.Module) -> Any:
-    """The ``LocalLM`` behind the program's predictors, or ``None`` when it runs on hosted LMs only."""
+def find_local(program: dspy.Module) -> tuple[Any, str | None]:
+    """The ``LocalLM`` behind the program's predictors and the adapter they run with, or ``(None, None)``
+    when the program runs on hosted LMs only."""
     from flowopt.lm import local_of
 
     for lm in program_lms(program):
         local = local_of(lm)
         if local is not None:
-            return local
-    return None
+            adapter = getattr(getattr(lm, "engine", None), "adapter", None)  # an AdapterLM names its own
+            return local, adapter if adapter is not None else local.active_adapter
+    return None, None
 
 
-def attach(program: dspy.Module, local: Any, *, adapter_dir: Path, sha256: str, run_root: Path | None) -> dspy.Module:
-    """Make every predictor of ``program`` (changed in place and returned) use ``local`` with its adapter."""
+def attach(program: dspy.Module, local: Any, adapter: str, *, adapter_dir: Path, sha256: str,
+           run_root: Path | None) -> dspy.Module:
+    """Make every predictor of ``program`` (changed in place and returned) use ``local`` with ``adapter``."""
+    from flowopt.optimizers.weights.pinned import AdapterLM
     from flowopt.workflow import Workflow
 
-    lm = local.lm
+    lm = AdapterLM(local, adapter, path=adapter_dir, sha256=sha256)
     if isinstance(program, Workflow):
         program.lms[STUDENT] = lm
         for node_id in program.nodes:

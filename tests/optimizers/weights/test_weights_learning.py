@@ -10,7 +10,7 @@ import time
 
 import dspy
 
-from flowopt.lm import AutoAdapter, adapter_for
+from flowopt.lm import AutoAdapter, adapter_for, local_of
 from flowopt.optimizers.weights import GRPO, BootstrapFinetune, LoraSettings
 from flowopt.testing import scripted_lm
 
@@ -65,5 +65,5 @@ def test_sft_raises_held_out_accuracy(tiny_local, task, tmp_path):
         after = ctx.evaluate(out, valset).score
     assert ctx.info["pairs"] == 48 and ctx.info["stop_reason"] == "done"
     assert after >= before + 0.5, f"held-out {before:.2f} -> {after:.2f}"
-    assert out.lm is tiny_local.lm and program.lm is tiny_local.lm
+    assert local_of(out.lm) is tiny_local and out.lm.adapter == "finetune"  # the student, pinned to the adapter
     print(f"SFT: held-out {before:.2f} -> {after:.2f}, {elapsed:.1f}s")

@@ -132,7 +132,7 @@ def test_budget_stops_grpo_cleanly(tiny_local, task, tmp_path):
         out = stage.run(program, ctx)
     assert ctx.info["stop_reason"] == "budget: max_lm_calls"
     assert 1 <= ctx.info["steps_done"] < 10
-    assert out.lm is tiny_local.lm and (tmp_path / "grpo" / "adapter").is_dir()
+    assert out.lm.adapter == "grpo" and (tmp_path / "grpo" / "adapter").is_dir()
 
 
 def test_finetune_without_passing_traces_leaves_the_program_unchanged(tiny_local, task):
@@ -183,3 +183,32 @@ def test_stages_are_registered_entry_points():
     names = {ep.name: ep.load() for ep in entry_points(group="flowopt.stages") if ep.name in ("finetune", "grpo")}
     assert names == {"finetune": BootstrapFinetune, "grpo": GRPO}
     assert GRPO.name == "grpo" and BootstrapFinetune.name == "finetune"
+
+
+def test_compile_runs_finetune_then_grpo_and_saves_a_loadable_program(tiny_saved_local, task, tmp_path):
+    wf = _workflow(tiny_saved_local.lm)
+    trainset, valset = task.examples(24, seed=11), task.examples(12, seed=12)
+    stages = [BootstrapFinetune(teacher=_teacher(task), epochs=6, learning_rate=1e-2, lora=LORA),
+              GRPO(steps=2, batch_size=2, group_size=4, max_new_tokens=2, learning_rate=1e-3, lora=LORA)]
+    with dspy.context(adapter=AutoAdapter()):
+        best = flowopt.compile(wf, trainset, task.metric, valset=valset, stages=stages, run_dir=tmp_path / "run",
+                               quiet=True, num_threads=4)
+    rows = {row.name: row for row in best.report.stages}
+    assert rows["finetune"].kept and rows["finetune"].score > rows["baseline"].score
+    assert rows["grpo"].info["steps_done"] == 2 and len(rows["grpo"].info["reward_curve"]) == 2
+    entry = best.weights["student"]
+    assert entry["adapter"] in ("stages/00-finetune/adapter", "stages/01-grpo/adapter")
+    assert (tmp_path / "run" / entry["adapter"] / "adapter_model.safetensors").is_file()
+    loaded = flowopt.load(tmp_path / "run" / "program.json")
+    assert loaded.weights == best.weights
+    # the LM entry names the same adapter as the weights entry, whichever stage was kept
+    assert loaded.lms["student"]["adapter"] == str((tmp_path / "run" / entry["adapter"]).resolve())
+    def score(example):
+        try:
+            return task.metric(example, loaded(**example.inputs()))
+        except Exception:  # an unparseable answer scores 0, as in the compiler's evaluation
+            return 0.0
+
+    with dspy.context(adapter=AutoAdapter()):
+        mean = sum(score(ex) for ex in valset) / len(valset)
+    assert mean == pytest.approx(best.report.best_score)

@@ -1,0 +1,107 @@
+"""A ``dspy.LM`` bound to one LoRA adapter of a ``LocalLM``, whatever adapter is active model-wide.
+
+A LocalLM has one active adapter for the whole model. After BootstrapFinetune, GRPO attaches and
+trains its own adapter on the same LocalLM; if the compiler then keeps the fine-tuned program (GRPO
+did not beat it), that program must still run, and be saved, with the fine-tuned adapter. So each
+weights stage hands its program an :class:`AdapterLM`: its calls run with its adapter (LocalLM batches
+calls per adapter state, so they never mix with others), its cache key names the adapter's weights,
+and its workflow-IR entry names the adapter's folder.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import dspy
+
+from flowopt.errors import ConfigError, LMError
+from flowopt.lm.engine import LocalEngine, request_messages, row_settings
+
+
+class PinnedEngine(LocalEngine):
+    """``LocalEngine`` whose calls always use ``adapter``."""
+
+    def __init__(self, local: Any, adapter: str) -> None:
+        super().__init__(local)
+        self.adapter = adapter
+
+    def complete(self, request: Any) -> Any:
+        from dspy.clients.engines.base import validate_request
+        from dspy.lm15 import ContextLengthError, Message, Response, UnsupportedFeatureError, Usage
+
+        validate_request(request)
+        if request.tools:
+            raise UnsupportedFeatureError("local models do not call tools natively", provider="local")
+        local = self.local
+        prompt_ids = local.render(request_messages(request))
+        settings = row_settings(local, request.config)
+        try:
+            local._check_length(prompt_ids, settings.max_new_tokens)
+        except LMError as exc:
+            raise ContextLengthError(str(exc), provider="local") from exc
+        # LocalLM runs each batch under the adapter state named by its group (``_running_as``); naming
+        # ours pins it. (Private API until LocalLM offers per-adapter LMs; see the weights issue report.)
+        sample = local._batcher.submit((list(prompt_ids), settings), group=self.adapter)
+        return Response(id=f"local-{uuid.uuid4().hex[:16]}", model=request.model,
+                        message=Message.assistant(sample.text), finish_reason=sample.finish_reason,
+                        usage=Usage(input_tokens=len(prompt_ids), output_tokens=len(sample.completion_ids)))
+
+    def dump_state(self) -> dict[str, Any]:
+        spec = self.local.to_spec()
+        spec["adapter"] = self.local._adapters[self.adapter]["path"]
+        return spec
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PinnedEngine:
+        return self
+
+
+class AdapterLM(dspy.LM):
+    """The student LM of a trained program: ``local`` with adapter ``adapter`` (saved at ``path``).
+
+    Example:
+        >>> lm = AdapterLM(local, "finetune", path="run/stages/00-finetune/adapter", sha256="ab12...")  # doctest: +SKIP
+        >>> lm.to_spec()["adapter"]  # doctest: +SKIP
+        '/abs/run/stages/00-finetune/adapter'
+    """
+
+    def __init__(self, local: Any, adapter: str, *, path: str | Path, sha256: str, **kwargs: Any) -> None:
+        self._local = local
+        self.adapter = adapter
+        self.adapter_path = str(Path(path).resolve())
+        self.sha256 = sha256
+        kwargs.setdefault("temperature", local.temperature)
+        kwargs.setdefault("max_tokens", local.max_new_tokens)
+        super().__init__(f"local/{local.name}", engine=PinnedEngine(local, adapter), **kwargs)
+
+    @property  # type: ignore[override]
+    def model(self) -> str:
+        # DSPy's cache keys on the model string: name the adapter's weights, not the adapter's name.
+        return f"local/{self._local.name}@{self.sha256[:12]}"
+
+    @model.setter
+    def model(self, value: str) -> None:  # dspy.LM.__init__ assigns it; the name is derived instead
+        pass
+
+    @property
+    def local(self) -> Any:
+        return self._local
+
+    def to_spec(self) -> dict[str, Any]:
+        """The workflow-IR entry: the LocalLM's spec with this adapter's folder."""
+        local = self._local
+        if local.source is None:
+            raise ConfigError(f"LocalLM {local.name!r} wraps an in-memory model and cannot be described",
+                              fix="save it with save_pretrained(folder) and train LocalLM(folder)")
+        try:
+            spec = dict(local.to_spec())
+        except ConfigError:  # another adapter, still in training, is active: describe the base alone
+            spec = {"model": f"local/{local.name}", "source": local.source, "chat": local.chat,
+                    "max_new_tokens": local.max_new_tokens, "temperature": local.temperature}
+        spec["adapter"] = self.adapter_path
+        if self.kwargs.get("temperature") is not None:
+            spec["temperature"] = self.kwargs["temperature"]
+        if self.kwargs.get("max_tokens") is not None:
+            spec["max_new_tokens"] = self.kwargs["max_tokens"]
+        return spec
