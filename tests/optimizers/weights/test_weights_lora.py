@@ -153,3 +153,19 @@ def test_rollouts_record_one_transition_per_lm_call(tiny_local, task):
             assert len(t.completion_ids) == len(t.logprobs) >= 1
         if r.error is None:
             assert [node for node, _, _ in r.trace] == ["first", "second"]
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(tiny_local):
+    policy = Policy(tiny_local, lora=LoraSettings(r=4, alpha=8))
+    policy.start_adapter("ckpt-test")
+    GRPOLearner(policy, total_steps=1, learning_rate=5e-2).update(_items(policy))  # non-zero LoRA B
+    items = _items(policy)
+    batch = pack([t.prompt_ids for t in items], [t.completion_ids for t in items], policy.pad_id)
+    grads = []
+    for checkpointing in (False, True):
+        policy.model.zero_grad(set_to_none=True)
+        with policy.training(gradient_checkpointing=checkpointing):
+            (completion_logprobs(policy.model, batch) * batch.completion_mask).sum().backward()
+        grads.append([p.grad.clone() for p in policy.trainable_parameters()])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+    assert not policy.model.training and not tiny_local.base_model.is_gradient_checkpointing
