@@ -340,10 +340,18 @@ class LocalLM:
         with self.lock, self._running_as(state):
             return generate_batch(self._model, self.tokenizer, [i[0] for i in items], [i[1] for i in items])
 
-    def complete_ids(self, prompt_ids: Sequence[int], settings: RowSettings) -> Sample:
-        """Generate one completion through the dynamic batcher (what the DSPy engine calls; thread-safe)."""
+    def complete_ids(self, prompt_ids: Sequence[int], settings: RowSettings, *, adapter: Any = ...) -> Sample:
+        """Generate one completion through the dynamic batcher (what the DSPy engine calls; thread-safe).
+
+        ``adapter`` pins the weights of this call: an attached adapter's name, or None for the base
+        weights; the default (``...``) uses the model-wide state (:attr:`active_adapter`). Calls are
+        batched only with calls of the same weights.
+        """
         self._check_length(prompt_ids, settings.max_new_tokens)
-        return self._batcher.submit((list(prompt_ids), settings), group=self._state())
+        state = self._state() if adapter is ... else adapter
+        if state is not None and state not in self._adapters:
+            raise ConfigError(f"no adapter named {state!r}", fix=f"attached adapters: {self.adapters}")
+        return self._batcher.submit((list(prompt_ids), settings), group=state)
 
     def complete_many(self, prompt_ids: Sequence[int], settings: Sequence[RowSettings]) -> list[Sample]:
         """Several completions of one prompt through the batcher (they join the same batch; thread-safe)."""

@@ -89,3 +89,18 @@ def test_training_a_fresh_lora_and_saving_it(local, tmp_path):
 def test_loading_a_missing_adapter_is_a_config_error(local, tmp_path):
     with pytest.raises(ConfigError, match=r"adapter_config\.json"):
         local.load_adapter(tmp_path)
+
+
+def test_a_call_can_pin_its_weights_whatever_is_active(local, tiny_model_dir, tmp_path, make_adapter):
+    from flowopt.lm import RowSettings
+
+    prompt, row = local.render(PROMPTS[0]), RowSettings(max_new_tokens=8)
+    base = local.complete_ids(prompt, row).completion_ids
+    local.load_adapter(make_adapter(tiny_model_dir, tmp_path / "a", seed=1))
+    adapted = local.complete_ids(prompt, row).completion_ids
+    local.load_adapter(make_adapter(tiny_model_dir, tmp_path / "b", seed=2))  # now "b" is active
+    assert local.complete_ids(prompt, row, adapter="a").completion_ids == adapted
+    assert local.complete_ids(prompt, row, adapter=None).completion_ids == base
+    assert local.active_adapter == "b"
+    with pytest.raises(ConfigError, match="no adapter"):
+        local.complete_ids(prompt, row, adapter="missing")
