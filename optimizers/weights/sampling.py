@@ -60,6 +60,7 @@ def sample_batch(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens
     done = torch.zeros(n, dtype=torch.bool, device=device)
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
     stopped_by_string: set[int] = set()
+    pieces: dict[int, str] = {}  # token id -> its text, for the stop-string prefilter
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
                     logits_to_keep=1)
@@ -82,7 +83,7 @@ def sample_batch(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens
             lengths = torch.where(newly, torch.full_like(lengths, step + 1), lengths)
             done = done | newly
             if stop:
-                for i in _rows_hitting_stop(tokenizer, tokens, done, stop):
+                for i in _rows_hitting_stop(tokenizer, tokens, done, stop, pieces):
                     lengths[i] = step + 1
                     done[i] = True
                     stopped_by_string.add(i)
@@ -107,15 +108,27 @@ def sample_batch(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens
     return results
 
 
-def _rows_hitting_stop(tokenizer: Any, tokens: list[torch.Tensor], done: torch.Tensor,
-                       stop: Sequence[str]) -> list[int]:
-    # A stop string of L characters spans at most L tokens (each token adds at least one character).
-    span = max(len(s) for s in stop) + 1
-    recent = [t.tolist() for t in tokens[-span:]]
+def _rows_hitting_stop(tokenizer: Any, tokens: list[torch.Tensor], done: torch.Tensor, stop: Sequence[str],
+                       pieces: dict[int, str]) -> list[int]:
+    # A stop string can only have just completed where the newest token's text holds its last
+    # character: test that first (one cached decode per distinct token), and decode the tail of only
+    # those rows. A non-ASCII last character may be split across tokens, so it is always checked.
+    last_chars = {s[-1] for s in stop}
+    prefilter = all(c.isascii() for c in last_chars)
+    newest = tokens[-1].tolist()
+    span = max(len(s) for s in stop) + 1  # a stop string of L characters spans at most L tokens
+    recent: list[list[int]] | None = None
     hits = []
-    for i in range(len(done)):
+    for i, token in enumerate(newest):
         if bool(done[i]):
             continue
+        if prefilter:
+            if token not in pieces:
+                pieces[token] = tokenizer.decode([token], skip_special_tokens=True)
+            if not any(c in pieces[token] for c in last_chars):
+                continue
+        if recent is None:
+            recent = [t.tolist() for t in tokens[-span:]]
         tail = tokenizer.decode([step[i] for step in recent], skip_special_tokens=True)
         if any(s in tail for s in stop):
             hits.append(i)

@@ -169,3 +169,27 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_local):
         grads.append([p.grad.clone() for p in policy.trainable_parameters()])
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
     assert not policy.model.training and not tiny_local.base_model.is_gradient_checkpointing
+
+
+def test_sampling_stops_at_stop_strings(tiny_local):
+    tokenizer = tiny_local.tokenizer
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[2, 30, 31]] * 16
+    free = sample_batch(tiny_local.model, prompts, max_new_tokens=12, temperature=1.0, eos_ids=[], pad_id=0,
+                        generator=gen)
+    # pick a word that some free sample produced, and stop there
+    word = tokenizer.decode([free[0].completion_ids[3]])
+    gen = torch.Generator().manual_seed(0)
+    out = sample_batch(tiny_local.model, prompts, max_new_tokens=12, temperature=1.0, eos_ids=[], pad_id=0,
+                       generator=gen, stop=[word], tokenizer=tokenizer)
+    stopped = 0
+    for f, o in zip(free, out):
+        # same random stream: the run ends at the first token after which the text holds the stop string
+        ends = [k for k in range(1, len(f.completion_ids) + 1)
+                if word in tokenizer.decode(f.completion_ids[:k], skip_special_tokens=True)]
+        if ends:
+            stopped += 1
+            assert o.completion_ids == f.completion_ids[:ends[0]] and o.finish_reason == "stop"
+        else:
+            assert o.completion_ids == f.completion_ids and o.finish_reason == "length"
+    assert stopped >= 1
