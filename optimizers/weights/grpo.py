@@ -46,7 +46,8 @@ class GRPO(Stage):
     ``student=None`` trains the local model the program already runs on (continuing an earlier
     weights stage's adapter), else the embedded Gemma 3 270M. ``scaling``: advantage divisor
     ("group", "batch" or "none"); ``aggregation``: "grpo" (per-sequence mean) or "dapo" (token mean);
-    ``beta`` > 0 adds the k3 KL to the adapter-disabled model. ``gradient_checkpointing`` trades about a
+    ``beta`` > 0 adds the k3 KL to the reference: the adapter the program already ran with (e.g. from
+    BootstrapFinetune), else the base model (adapter disabled). ``gradient_checkpointing`` trades about a
     third more compute for much less activation memory (TRL's default; off here).
 
     Example:
@@ -122,13 +123,17 @@ class GRPO(Stage):
             raise ConfigError("GRPO needs training examples, the trainset is empty", fix="pass a non-empty trainset")
         policy, start_from = resolve_policy(self.student, program, self.lora)
         name = adapter_name(self.name, ctx)
-        policy.start_adapter(name, init_from=start_from if start_from != name else None, seed=ctx.seed)
+        init_from = start_from if start_from != name else None
+        policy.start_adapter(name, init_from=init_from, seed=ctx.seed)
         learner = GRPOLearner(
             policy, total_steps=self.steps, learning_rate=self.learning_rate, weight_decay=self.weight_decay,
             lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps, epsilon=self.epsilon,
             epsilon_high=self.epsilon_high, beta=self.beta, aggregation=self.aggregation, passes=self.passes,
             micro_batch_size=self.micro_batch_size, max_grad_norm=self.max_grad_norm, temperature=self.temperature,
-            gradient_checkpointing=self.gradient_checkpointing)
+            gradient_checkpointing=self.gradient_checkpointing,
+            # KL to the policy the stage starts from: after BootstrapFinetune that is the fine-tuned adapter
+            # (a KL to the base model would pull the student back from what it learned).
+            reference_adapter=init_from)
         curve: list[dict[str, Any]] = []
         first = self._resume(ctx, policy, learner, curve)
         adapter = rollout_adapter(self.adapter, policy)

@@ -63,12 +63,13 @@ class GRPOLearner:
                  lr_schedule: str = "constant", warmup_steps: int = 0, epsilon: float = 0.2,
                  epsilon_high: float | None = None, beta: float = 0.0, aggregation: str = "dapo", passes: int = 1,
                  micro_batch_size: int = 8, max_grad_norm: float | None = 1.0, temperature: float = 1.0,
-                 gradient_checkpointing: bool = False) -> None:
+                 gradient_checkpointing: bool = False, reference_adapter: str | None = None) -> None:
         self.policy = policy
         self.epsilon, self.epsilon_high, self.beta = epsilon, epsilon_high, beta
         self.aggregation, self.passes, self.micro = aggregation, passes, micro_batch_size
         self.max_grad_norm, self.temperature = max_grad_norm, temperature
         self.gradient_checkpointing = gradient_checkpointing
+        self.reference_adapter = reference_adapter  # None: the base model (adapter disabled)
         self.params = policy.trainable_parameters()
         self.optimizer, self.scheduler = make_optimizer(
             self.params, lr=learning_rate, weight_decay=weight_decay,
@@ -112,7 +113,7 @@ class GRPOLearner:
         with policy.lock:
             model = policy.model
             if self.beta != 0.0:
-                with torch.no_grad(), policy.reference():
+                with torch.no_grad(), policy.reference(self.reference_adapter):
                     for m in micros:
                         m.ref = completion_logprobs(model, m.batch, self.temperature)
             with policy.training(gradient_checkpointing=self.gradient_checkpointing):

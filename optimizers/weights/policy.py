@@ -192,9 +192,22 @@ class Policy:
     def trainable_parameters(self) -> list[Any]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def reference(self) -> Any:
-        """Context manager: the base model (adapter disabled) for KL reference scores."""
-        return self.local.adapter_disabled()
+    @contextlib.contextmanager
+    def reference(self, adapter: str | None = None) -> Iterator[Any]:
+        """The reference model for KL scores: the base model (adapter disabled), or with ``adapter`` the
+        policy a stage started from (e.g. GRPO after BootstrapFinetune keeps close to the fine-tuned
+        model, not to the base one). Either way no second copy of the weights is made."""
+        if adapter is None:
+            with self.local.adapter_disabled():
+                yield self.model
+            return
+        with self.lock:
+            current = self.adapter
+            self.local.set_adapter(adapter)
+            try:
+                yield self.model
+            finally:
+                self.local.set_adapter(current)  # also makes the trained adapter's weights trainable again
 
     def weights_changed(self) -> None:
         """After an optimizer step: DSPy's cache must not answer with the old weights' results."""

@@ -193,3 +193,23 @@ def test_sampling_stops_at_stop_strings(tiny_local):
         else:
             assert o.completion_ids == f.completion_ids and o.finish_reason == "length"
     assert stopped >= 1
+
+
+def test_reference_can_be_the_starting_adapter(tiny_local):
+    policy = Policy(tiny_local, lora=LoraSettings(r=4, alpha=8))
+    policy.start_adapter("first")
+    GRPOLearner(policy, total_steps=1, learning_rate=5e-2).update(_items(policy))
+    items = _items(policy)
+    batch = pack([t.prompt_ids for t in items], [t.completion_ids for t in items], policy.pad_id)
+    with torch.no_grad():
+        first = completion_logprobs(policy.model, batch)
+    policy.start_adapter("second", init_from="first")
+    learner = GRPOLearner(policy, total_steps=2, learning_rate=5e-2, beta=0.1, reference_adapter="first")
+    stats = learner.update(items)
+    assert stats.kl == pytest.approx(0.0, abs=1e-6)  # before the step, policy == reference
+    with torch.no_grad(), policy.reference("first"):
+        reference = completion_logprobs(policy.model, batch)
+    assert torch.allclose(reference, first, atol=1e-5)
+    assert tiny_local.active_adapter == "second" and all("second" in n for n, p in policy.model.named_parameters()
+                                                          if p.requires_grad)
+    assert learner.update(items).kl > 0  # the second adapter moved away from the first
