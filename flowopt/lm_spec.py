@@ -14,8 +14,9 @@ import dspy
 
 from flowopt.errors import SchemaError
 
-# Any setting whose name looks like a credential is dropped on export, whatever the provider.
-_SECRET = re.compile(r"(api_?key|token|secret|password|authorization|headers|credential)", re.I)
+# Any setting whose name looks like a credential is dropped on export, whatever the provider. A name
+# ending in "token" (auth_token, hf_token) is one; "max_tokens" and "max_new_tokens" are not.
+_SECRET = re.compile(r"(api_?key|secret|passw|authorization|headers|credential|bearer|token$)", re.I)
 # Client objects and callables are not data.
 _SKIPPED = {"callbacks", "engine", "provider", "cache", "num_retries_fn"}
 

@@ -327,12 +327,18 @@ class Workflow(dspy.Module):
     def _run_node(self, node_id: str, values: dict[str, dict[str, Any]]) -> dict[str, Any]:
         kwargs = {dst: values[src][src_field] for dst, (src, src_field) in self.sources(node_id).items()}
         op = self.nodes[node_id]
+        overrides: dict[str, Any] = {}
         lm = self._lm_for(node_id)
-        if lm is None:
+        if lm is not None:
+            overrides["lm"] = lm
+        if dspy.settings.adapter is None:
+            # DSPy's default (ChatAdapter) is kept for hosted models; base-model LocalLMs, which cannot
+            # follow its field markers, get the completion adapter.
+            from flowopt.lm.completion_adapter import AutoAdapter
+
+            overrides["adapter"] = AutoAdapter()
+        with dspy.context(**overrides):
             pred = op(**kwargs)
-        else:
-            with dspy.context(lm=lm):
-                pred = op(**kwargs)
         return {name: pred[name] for name in op.spec.output_names}
 
     def _lm_for(self, node_id: str) -> Any:

@@ -108,13 +108,22 @@ def test_saved_then_loaded_workflow_gives_identical_outputs(tmp_path):
 def test_secrets_are_never_written(tmp_path):
     wf = flowopt.chain("question -> answer", Predict("question -> answer"))
     wf.lms["default"] = dspy.LM("openai/gpt-4o-mini", api_key="sk-live-abc", api_base="http://127.0.0.1:9/v1",
-                                extra_headers={"Authorization": "Bearer tok-xyz"}, temperature=0.0)
+                                extra_headers={"Authorization": "Bearer tok-xyz"}, temperature=0.0, max_tokens=300)
     wf.node_lms["answer"] = None
     text = wf.save(tmp_path / "wf.json").read_text()
     assert "sk-live-abc" not in text and "tok-xyz" not in text
     spec = json.loads(text)["lms"]["default"]
     assert spec["model"] == "openai/gpt-4o-mini" and spec["api_base"] == "http://127.0.0.1:9/v1"
-    assert spec["temperature"] == 0.0
+    assert spec["temperature"] == 0.0 and spec["max_tokens"] == 300  # a token limit is not a secret
+
+
+@pytest.mark.parametrize("name", ["api_key", "OPENAI_API_KEY", "auth_token", "hf_token", "token", "client_secret",
+                                  "password", "extra_headers", "Authorization", "aws_credentials"])
+def test_credential_settings_are_recognised(name):
+    from flowopt.lm_spec import is_secret_setting
+
+    assert is_secret_setting(name)
+    assert not is_secret_setting("max_tokens") and not is_secret_setting("max_new_tokens")
 
 
 def test_a_bound_lm_is_used_by_its_nodes_and_survives_loading(tmp_path):
