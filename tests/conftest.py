@@ -11,8 +11,8 @@ os.environ.setdefault("DSPY_CACHEDIR", tempfile.mkdtemp(prefix="flowopt-test-dsp
 os.environ.setdefault("FLOWOPT_CACHE_DIR", os.path.expanduser("~/.cache/flowopt"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import dspy  # noqa: E402
-import pytest  # noqa: E402
+import dspy
+import pytest
 
 
 @pytest.fixture(autouse=True)

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import dspy
-from flowopt.modules import ChainOfThought, Predict
 
 import flowopt
 from flowopt.io import atomic_write_json, atomic_write_text
+from flowopt.modules import ChainOfThought, Predict
 from flowopt.testing import scripted_lm
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

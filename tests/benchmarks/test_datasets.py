@@ -8,6 +8,7 @@ import shutil
 
 import dspy
 import pytest
+
 from flowopt.benchmarks import datasets
 from flowopt.benchmarks.datasets import (
     DATA_DIR_ENV,
@@ -18,7 +19,6 @@ from flowopt.benchmarks.datasets import (
     verify_file,
 )
 from flowopt.benchmarks.metrics import gsm8k_metric, hotpot_em, hotpot_f1, normalize_answer
-
 from flowopt.errors import ConfigError, DataError
 
 PACKAGED = datasets._PACKAGED_DATA

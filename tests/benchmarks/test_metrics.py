@@ -31,6 +31,7 @@ import dspy
 import pytest
 from dspy.datasets.gsm8k import gsm8k_metric as dspy_gsm8k_metric
 from dspy.evaluate.metrics import HotPotF1, answer_exact_match
+
 from flowopt.benchmarks.metrics import (
     METRICS,
     exact_match_score,
@@ -44,7 +45,6 @@ from flowopt.benchmarks.metrics import (
     hotpot_f1,
     normalize_answer,
 )
-
 from flowopt.errors import ConfigError, DataError
 
 
