@@ -131,7 +131,7 @@ def bootstrap_pool(program: dspy.Module, ctx: StageContext, *, successes: int, m
     order = list(range(len(ctx.trainset))) if order is None else list(order)
     teacher = build_teacher(program, ctx, max_labeled_demos, order)
     order_key = hashlib.sha1(json.dumps(order).encode()).hexdigest()[:12]
-    key = f"{program_key(teacher)}:{metric_threshold}:{order_key}"
+    key = f"{program_key(teacher, include_lms=False)}:{metric_threshold}:{order_key}"
     pool: DemoPool | None = ctx.shared.get(f"demo_pool:{key}")
     if pool is None:
         saved = ctx.load_checkpoint(checkpoint)

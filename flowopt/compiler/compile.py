@@ -92,7 +92,7 @@ def compile(
 
     stage_names = [s.name or type(s).__name__ for s in stage_objs]
     fingerprint = {
-        "program": program_key(program),
+        "program": program_key(program, include_lms=False),
         "trainset": _digest(example_key(e) for e in train),
         "valset": _digest(example_key(e) for e in val),
         "metric": getattr(metric, "__qualname__", type(metric).__name__),

@@ -87,8 +87,12 @@ def example_key(example: Any) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()
 
 
-def program_key(program: Any) -> str:
-    """A key that changes whenever the program's behaviour-relevant state changes."""
+def program_key(program: Any, *, include_lms: bool = True) -> str:
+    """A key that changes whenever the program's behaviour-relevant state changes.
+
+    ``include_lms=False`` leaves out which LMs run it (a run folder's fingerprint: resuming with a new
+    client for the same model is fine); the evaluation memo always includes them.
+    """
     canonical = getattr(program, "canonical_json", None)
     if callable(canonical):
         text = canonical()
@@ -102,6 +106,15 @@ def program_key(program: Any) -> str:
         except Exception:  # a module whose state cannot be dumped is never memoised
             return f"id:{id(program)}"
         text += json.dumps({name: p.config for name, p in program.named_predictors()}, sort_keys=True, default=repr)
+    if not include_lms:
+        return hashlib.sha1(text.encode("utf-8")).hexdigest()
+    # The LMs behind the program are part of its behaviour: the ambient one and any bound to a predictor.
+    # A LocalLM's model name carries a tag that changes with its weights, so training invalidates the memo.
+    import dspy
+
+    lms = {"ambient": getattr(dspy.settings.lm, "model", None),
+           **{name: getattr(p.lm, "model", None) for name, p in program.named_predictors() if p.lm is not None}}
+    text += json.dumps(lms, sort_keys=True, default=repr)
     return hashlib.sha1(text.encode("utf-8")).hexdigest()
 
 
