@@ -70,8 +70,11 @@ class LocalEngine:
         >>> lm("Hello")  # doctest: +SKIP
     """
 
-    def __init__(self, local: LocalLM) -> None:
+    def __init__(self, local: LocalLM, *, adapter: Any = ...) -> None:
         self.local = local
+        # ``...``: the model-wide adapter state; an adapter's name (or None for the base weights) pins
+        # every call of this engine to those weights (see LocalLM.complete_ids).
+        self.adapter = adapter
 
     def complete(self, request: Request) -> Response:
         validate_request(request)
@@ -81,7 +84,7 @@ class LocalEngine:
         prompt_ids = local.render(request_messages(request))
         settings = row_settings(local, request.config)
         try:
-            sample = local.complete_ids(prompt_ids, settings)
+            sample = local.complete_ids(prompt_ids, settings, adapter=self.adapter)
         except LMError as exc:
             raise ContextLengthError(str(exc), provider="local") from exc
         logprobs = None

@@ -10,43 +10,20 @@ and its workflow-IR entry names the adapter's folder.
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 from typing import Any
 
 import dspy
 
-from flowopt.errors import ConfigError, LMError
-from flowopt.lm.engine import LocalEngine, request_messages, row_settings
+from flowopt.errors import ConfigError
+from flowopt.lm.engine import LocalEngine
 
 
 class PinnedEngine(LocalEngine):
-    """``LocalEngine`` whose calls always use ``adapter``."""
+    """``LocalEngine`` whose calls always use ``adapter`` (``LocalLM.complete_ids(adapter=...)``)."""
 
     def __init__(self, local: Any, adapter: str) -> None:
-        super().__init__(local)
-        self.adapter = adapter
-
-    def complete(self, request: Any) -> Any:
-        from dspy.clients.engines.base import validate_request
-        from dspy.lm15 import ContextLengthError, Message, Response, UnsupportedFeatureError, Usage
-
-        validate_request(request)
-        if request.tools:
-            raise UnsupportedFeatureError("local models do not call tools natively", provider="local")
-        local = self.local
-        prompt_ids = local.render(request_messages(request))
-        settings = row_settings(local, request.config)
-        try:
-            local._check_length(prompt_ids, settings.max_new_tokens)
-        except LMError as exc:
-            raise ContextLengthError(str(exc), provider="local") from exc
-        # LocalLM runs each batch under the adapter state named by its group (``_running_as``); naming
-        # ours pins it. (Private API until LocalLM offers per-adapter LMs; see the weights issue report.)
-        sample = local._batcher.submit((list(prompt_ids), settings), group=self.adapter)
-        return Response(id=f"local-{uuid.uuid4().hex[:16]}", model=request.model,
-                        message=Message.assistant(sample.text), finish_reason=sample.finish_reason,
-                        usage=Usage(input_tokens=len(prompt_ids), output_tokens=len(sample.completion_ids)))
+        super().__init__(local, adapter=adapter)
 
     def dump_state(self) -> dict[str, Any]:
         spec = self.local.to_spec()

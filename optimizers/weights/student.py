@@ -41,7 +41,8 @@ def find_local(program: dspy.Module) -> tuple[Any, str | None]:
         local = local_of(lm)
         if local is not None:
             adapter = getattr(getattr(lm, "engine", None), "adapter", None)  # an AdapterLM names its own
-            return local, adapter if adapter is not None else local.active_adapter
+            # ``...`` (or no engine attribute): the LocalLM's model-wide adapter state.
+            return local, adapter if isinstance(adapter, str) else local.active_adapter
     return None, None
 
 

@@ -15,9 +15,9 @@ def counted(tiny_local, monkeypatch):
     calls = []
     original = tiny_local.complete_ids
 
-    def counting(prompt_ids, settings):
+    def counting(prompt_ids, settings, **kwargs):
         calls.append(settings)
-        return original(prompt_ids, settings)
+        return original(prompt_ids, settings, **kwargs)
 
     monkeypatch.setattr(tiny_local, "complete_ids", counting)
     return calls
