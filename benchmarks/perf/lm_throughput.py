@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
+    parser.add_argument("--dtype", default="", help="float32 or bfloat16 (default: LocalLM's pick)")
     parser.add_argument("--out", type=Path, default=RESULTS / "lm_throughput")
     args = parser.parse_args(argv)
     import torch
@@ -47,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.torch_threads)
     from flowopt.lm import LocalLM
 
-    local = LocalLM("gemma-3-270m", max_new_tokens=args.tokens, max_batch_size=8)
+    load_before = os.getloadavg()
+    local = LocalLM("gemma-3-270m", max_new_tokens=args.tokens, max_batch_size=8,
+                    dtype=args.dtype or None)
     lm = local.lm.copy(temperature=0.0, max_tokens=args.tokens, cache=False)
     texts = prompts(8)
     ids = [torch.tensor([local.render(t)]) for t in texts]
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     speedup = rate["local_8_callers"] / rate["local_batch1"]
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
+               "dtype": str(local.dtype).replace("torch.", ""), "load_average_before": load_before,
                "load_average_end": os.getloadavg()}
     payload = {"command": "python benchmarks/perf/lm_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv),
                "machine": machine, "tokens_limit": args.tokens, "repeats": args.repeats,
@@ -109,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Gemma 3 270M throughput on CPU: LocalLM vs raw generate, and 8 concurrent callers", "",
         f"Command: `{payload['command'].strip()}`", "",
-        f"Machine: {machine['platform']}, {machine['cpus']} CPUs shared with other jobs (load average at the end "
-        f"{machine['load_average_end'][0]:.1f}), torch {machine['torch']} with {machine['torch_threads']} "
-        f"thread(s), transformers {machine['transformers']}; float32.", "",
+        f"Machine: {machine['platform']}, {machine['cpus']} CPUs (1-minute load average "
+        f"{machine['load_average_before'][0]:.2f} before the run, {machine['load_average_end'][0]:.2f} at its end), "
+        f"torch {machine['torch']} with {machine['torch_threads']} thread(s), transformers "
+        f"{machine['transformers']}; {machine['dtype']}.", "",
         f"8 GSM8K prompts, greedy, up to {args.tokens} new tokens each, median of {args.repeats} interleaved repeats.",
         "", "| run | tokens/s | tokens per repeat |", "|---|---|---|",
         f"| raw `model.generate`, one prompt at a time | {rate['raw']:.2f} | {tokens['raw']} |",

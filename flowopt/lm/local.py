@@ -49,8 +49,25 @@ def pick_device(device: str | None = None) -> str:
     return "cpu"
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), so bf16 beats float32 there.
+
+    Without it, torch emulates bf16 matmuls and they run slower than float32.
+    """
+    import torch
+
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
+
+
 def pick_dtype(device: str, dtype: str | torch.dtype | None = None) -> torch.dtype:
-    """The requested dtype, or bf16 on CUDA (when supported) and float32 elsewhere."""
+    """The requested dtype, or bf16 where the hardware computes in it and float32 elsewhere.
+
+    bf16 on CUDA (when supported) and on CPUs with native bf16 (see :func:`cpu_has_native_bf16`): a
+    decode step reads every weight once, so halving their bytes nearly halves its time on a CPU, and
+    batched rows then cost little more than one (Gemma 3 270M on a 2-core AVX512-BF16 CPU: 80 ms per
+    step at batch 1 and 84 ms at batch 8, against 129 and 212 ms in float32).
+    """
     import torch
 
     if dtype is not None:
@@ -61,6 +78,8 @@ def pick_dtype(device: str, dtype: str | torch.dtype | None = None) -> torch.dty
             raise ConfigError(f"unknown dtype {dtype!r}", fix="use 'float32', 'bfloat16' or 'float16'")
         return resolved
     if device.startswith("cuda") and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    if device == "cpu" and cpu_has_native_bf16():
         return torch.bfloat16
     return torch.float32
 
@@ -98,10 +117,10 @@ class LocalLM:
 
     ``model`` is a registered name (``"gemma-3-270m"``, the embedded default, converted once from the
     bundled GGUF) or a folder saved with ``save_pretrained`` (config, safetensors, tokenizer). Nothing is
-    downloaded. The device is cuda > mps > cpu and the dtype bf16 on CUDA, float32 elsewhere, unless
-    given. ``chat=None`` uses the tokenizer's chat template when it has one; base models (no template,
-    or ``chat=False``) get plain-text prompts and, through :func:`flowopt.lm.adapter_for`, the
-    completion adapter.
+    downloaded. The device is cuda > mps > cpu and the dtype bf16 on CUDA and on CPUs with native
+    bf16, float32 elsewhere, unless given (:func:`pick_dtype`). ``chat=None`` uses the tokenizer's chat
+    template when it has one; base models (no template, or ``chat=False``) get plain-text prompts and,
+    through :func:`flowopt.lm.adapter_for`, the completion adapter.
 
     Example:
         >>> import dspy

@@ -182,7 +182,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, local only)")
     parser.add_argument("--name", help="model id clients use (default: the model's name)")
     parser.add_argument("--device", help="cuda, mps or cpu (default: the best available)")
-    parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bf16 on CUDA, else float32)")
+    parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bf16 on CUDA and on CPUs "
+                        "with native bf16, else float32)")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="default completion limit")
     parser.add_argument("--max-batch-size", type=int, default=16, help="largest dynamic batch")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -63,10 +63,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_local(tiny_model_dir: Path):
-    """One shared LocalLM over the tiny model; tests that attach adapters build their own."""
+    """One shared LocalLM over the tiny model; tests that attach adapters build their own.
+
+    float32, because batched and sequential greedy outputs are compared token for token, and only
+    float32 keeps them equal whatever the padding (bf16 rounding depends on the batch's shape).
+    """
     from flowopt.lm import LocalLM
 
-    local = LocalLM(tiny_model_dir, device="cpu", max_new_tokens=12, batch_wait_ms=30)
+    local = LocalLM(tiny_model_dir, device="cpu", dtype="float32", max_new_tokens=12, batch_wait_ms=30)
     yield local
     local.close()
 

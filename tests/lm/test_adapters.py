@@ -14,7 +14,7 @@ PROMPTS = ["Question: what is 1 plus 1?\nAnswer:", "hello there", "The quick bro
 def local(tiny_model_dir):
     from flowopt.lm import LocalLM
 
-    lm = LocalLM(tiny_model_dir, device="cpu", max_new_tokens=10, batch_wait_ms=5)
+    lm = LocalLM(tiny_model_dir, device="cpu", dtype="float32", max_new_tokens=10, batch_wait_ms=5)
     yield lm
     lm.close()
 

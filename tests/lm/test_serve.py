@@ -109,7 +109,7 @@ def test_an_adapter_is_served_in_process(tiny_model_dir, tmp_path, make_adapter)
     from flowopt.lm.serve import create_app
 
     adapter = make_adapter(tiny_model_dir, tmp_path / "lora", seed=5)
-    local = LocalLM(tiny_model_dir, device="cpu", adapter=adapter, max_new_tokens=8, batch_wait_ms=1)
+    local = LocalLM(tiny_model_dir, device="cpu", dtype="float32", adapter=adapter, max_new_tokens=8, batch_wait_ms=1)
     client = TestClient(create_app(local))
     assert client.get("/health").json()["adapter"] == "lora"
     body = client.post("/v1/chat/completions", json={"messages": MESSAGES, "temperature": 0}).json()

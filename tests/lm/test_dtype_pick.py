@@ -1,0 +1,42 @@
+"""Which dtype LocalLM picks when none is given: bf16 where the hardware computes in it, else float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowopt.errors import ConfigError
+from flowopt.lm import local as local_module
+from flowopt.lm.local import LocalLM, pick_dtype
+
+
+@pytest.mark.parametrize(("avx512_bf16", "amx", "expected"), [
+    (True, False, torch.bfloat16),
+    (False, True, torch.bfloat16),
+    (False, False, torch.float32),
+])
+def test_cpu_default_follows_native_bf16_support(monkeypatch, avx512_bf16, amx, expected):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    assert pick_dtype("cpu") == expected
+
+
+def test_an_explicit_dtype_wins_and_a_bad_one_names_the_choices(monkeypatch):
+    monkeypatch.setattr(local_module, "cpu_has_native_bf16", lambda: True)
+    assert pick_dtype("cpu", "float32") == torch.float32
+    assert pick_dtype("cpu", torch.float16) == torch.float16
+    with pytest.raises(ConfigError, match="bfloat16"):
+        pick_dtype("cpu", "float33")
+
+
+def test_a_bf16_local_model_generates_and_scores(tiny_model_dir):
+    local = LocalLM(tiny_model_dir, device="cpu", dtype="bfloat16", max_new_tokens=6)
+    try:
+        assert local.dtype == torch.bfloat16
+        sample = local.generate(["Question: red\nAnswer:"], max_new_tokens=6)[0]
+        assert 1 <= len(sample.completion_ids) <= 6
+        scores = local.token_logprobs([sample.prompt_ids], [sample.completion_ids])
+        assert scores.shape == (1, len(sample.completion_ids))
+        assert torch.isfinite(scores).all() and (scores <= 0).all()
+    finally:
+        local.close()
