@@ -116,7 +116,10 @@ class CompletionAdapter(Adapter):
         lines = []
         for name, field in fields.items():
             if name in values and values[name] is not None:
-                value = format_field_value(field_info=field, value=values[name])
+                raw = values[name]
+                # Plain text and numbers format as themselves; DSPy's general path builds a pydantic
+                # TypeAdapter per value (about 0.1 ms), which a GRPO step pays for every rollout.
+                value = str(raw) if type(raw) in (str, int) else format_field_value(field_info=field, value=raw)
                 lines.append(f"{field_label(name, field)}: {value}".rstrip())
         return lines
 

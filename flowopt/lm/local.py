@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
+_RENDER_CACHE_SIZE = 2048  # distinct chat prompts kept tokenized (see LocalLM.render)
 _ROLE_LABEL = {"user": "User", "assistant": "Assistant", "tool": "Tool"}
 
 
@@ -234,6 +236,10 @@ class LocalLM:
         self._batcher: DynamicBatcher[tuple[list[int], RowSettings], Sample] = DynamicBatcher(
             self._run_batch, max_batch_size=max_batch_size, wait_ms=batch_wait_ms, name=f"flowopt-lm-{name}")
         self._lm: LocalDSPyLM | None = None
+        # Rendered chat prompts by content: GRPO sends each prompt G times per step, and an evaluation
+        # repeats a predictor's instructions and demos on every call; tokenizing is deterministic.
+        self._rendered: OrderedDict[tuple[tuple[str, str], ...], tuple[int, ...]] = OrderedDict()
+        self._rendered_lock = threading.Lock()
 
     # -- identity ----------------------------------------------------------------------------------
 
@@ -314,9 +320,20 @@ class LocalLM:
         items = list(prompt)
         if all(isinstance(t, int) for t in items):
             return [int(t) for t in items]
+        key = tuple((str(m.get("role", "user")), str(m.get("content") or "")) for m in items)
+        with self._rendered_lock:
+            cached = self._rendered.get(key)
+            if cached is not None:
+                self._rendered.move_to_end(key)
+                return list(cached)
         text = self.render_text(items)
         # A chat template writes its own special tokens; a base transcript needs the tokenizer's.
-        return list(self.tokenizer(text, add_special_tokens=not self.chat)["input_ids"])
+        ids = tuple(self.tokenizer(text, add_special_tokens=not self.chat)["input_ids"])
+        with self._rendered_lock:
+            self._rendered[key] = ids
+            if len(self._rendered) > _RENDER_CACHE_SIZE:
+                self._rendered.popitem(last=False)
+        return list(ids)
 
     def _check_length(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         limit = getattr(self.base_model.config, "max_position_embeddings", None)
@@ -545,17 +562,45 @@ class LocalLM:
             self._after_attach(self._active or list(self._adapters)[-1], activate=True)
 
     def save_adapter(self, path: str | os.PathLike[str], name: str | None = None) -> Path:
-        """Save an adapter (default: the active one) as a PEFT folder; later specs refer to that folder."""
+        """Save an adapter (default: the active one) as a PEFT folder at exactly ``path``; returns it.
+
+        The folder is written beside ``path`` and moved into place, so a crash leaves either the old
+        folder or the new one, never half of each. Later specs (and :meth:`adapter_path`) name it.
+        """
+        import shutil
+        import tempfile
+
         with self.lock:
             name = name or self._active
             if name is None or name not in self._adapters:
                 raise ConfigError(f"no adapter named {name!r} to save", fix=f"attached adapters: {self.adapters}")
-            folder = Path(path).expanduser()
-            self._model.save_pretrained(str(folder), selected_adapters=[name])
-            # PEFT writes non-default adapters into a subfolder named after them.
-            saved = folder if (folder / "adapter_config.json").is_file() else folder / name
-            self._adapters[name]["path"] = str(saved.resolve())
-            return saved
+            target = Path(path).expanduser()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+            try:
+                self._model.save_pretrained(str(tmp), selected_adapters=[name])
+                # PEFT writes non-default adapters into a subfolder named after them.
+                saved = tmp if (tmp / "adapter_config.json").is_file() else tmp / name
+                old = target.with_name(f".{target.name}.old")
+                if target.exists():
+                    shutil.rmtree(old, ignore_errors=True)
+                    os.replace(target, old)
+                os.replace(saved, target)
+                shutil.rmtree(old, ignore_errors=True)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._adapters[name]["path"] = str(target.resolve())
+            return target
+
+    def adapter_path(self, name: str | None = None) -> Path | None:
+        """The folder adapter ``name`` (default: the active one) was loaded from or last saved to; None
+        while its weights exist only in memory (fresh, or trained since it was saved)."""
+        with self.lock:
+            name = name or self._active
+            if name is None or name not in self._adapters:
+                raise ConfigError(f"no adapter named {name!r}", fix=f"attached adapters: {self.adapters}")
+            path = self._adapters[name]["path"]
+            return None if path is None else Path(path)
 
     @contextlib.contextmanager
     def adapter_disabled(self) -> Iterator[LocalLM]:

@@ -27,7 +27,8 @@ class PinnedEngine(LocalEngine):
 
     def dump_state(self) -> dict[str, Any]:
         spec = self.local.to_spec()
-        spec["adapter"] = self.local._adapters[self.adapter]["path"]
+        path = self.local.adapter_path(self.adapter)
+        spec["adapter"] = None if path is None else str(path)
         return spec
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PinnedEngine:

@@ -227,26 +227,11 @@ class Policy:
             self.weights_changed()
 
     def save_adapter(self, path: str | Path) -> tuple[Path, str]:
-        """Save the adapter as a PEFT folder at ``path`` (atomically); returns the folder and its sha256."""
-        import os
-        import shutil
-        import tempfile
+        """Save the adapter as a PEFT folder at ``path`` (atomically); returns the folder and its sha256.
 
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        try:
-            saved = Path(self.local.save_adapter(tmp, self.adapter))
-            old = target.with_name(f".{target.name}.old")
-            if target.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(target, old)
-            os.replace(saved, target)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        # The LocalLM remembers where the adapter lives, so its spec (the workflow's LM entry) names it.
-        self.local._adapters[self.adapter]["path"] = str(target.resolve())
+        The LocalLM then names that folder in its spec (the workflow's LM entry).
+        """
+        target = self.local.save_adapter(path, self.adapter)
         return target, adapter_sha256(target)
 
     def load_adapter_file(self, path: str | Path) -> None:

@@ -67,6 +67,21 @@ class _Recorder:
 _RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("flowopt_rollout", default=None)
 
 
+class _QuietTruncation(logging.Filter):
+    """Drop DSPy's "response was truncated" warning inside rollouts.
+
+    A rollout that hits its token limit is an expected outcome (recorded as ``finish_reason="length"``
+    and scored by the metric), and B x G of them a step would bury real warnings. Records from threads
+    that are not running a rollout pass through.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _RECORDER.get() is None or "truncated" not in record.getMessage()
+
+
+_DSPY_LM_LOGGER = logging.getLogger("dspy.clients.lm")
+
+
 def _request_messages(request: Any) -> list[dict[str, str]]:
     messages: list[dict[str, str]] = []
     system = request.system
@@ -241,11 +256,16 @@ def run_rollouts(program: dspy.Module, examples: Sequence[Any], group_size: int,
             batcher.finished()
             rollout.transitions = recorder.transitions
 
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="flowopt-rollout") as pool:
-        futures = [pool.submit(parent.copy().run, one, r) for r in rollouts]
-        batcher.serve()  # all generation runs here, on the caller's thread
-        for future in futures:
-            future.result()
+    quiet = _QuietTruncation()
+    _DSPY_LM_LOGGER.addFilter(quiet)
+    try:
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="flowopt-rollout") as pool:
+            futures = [pool.submit(parent.copy().run, one, r) for r in rollouts]
+            batcher.serve()  # all generation runs here, on the caller's thread
+            for future in futures:
+                future.result()
+    finally:
+        _DSPY_LM_LOGGER.removeFilter(quiet)
     if engine.engine_errors:
         raise engine.engine_errors[0]
     logger.debug("rollouts: %d, LM batches %s", n, batcher.batch_sizes)

@@ -82,8 +82,16 @@ def test_training_a_fresh_lora_and_saving_it(local, tmp_path):
     assert local.lm.model != tag
     after = local.token_logprobs([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
     assert after.sum() > new.detach().sum()
+    assert local.adapter_path() is None  # trained, not yet on disk
     saved = local.save_adapter(tmp_path / "saved")
+    assert saved == tmp_path / "saved" and (saved / "adapter_config.json").is_file()
+    assert local.adapter_path("policy") == saved.resolve()
     assert local.to_spec()["adapter"] == str(saved.resolve())
+    # Saving again replaces the folder whole and leaves no temporary folders beside it.
+    local.save_adapter(tmp_path / "saved")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved"]
+    with pytest.raises(ConfigError, match="no adapter named"):
+        local.adapter_path("missing")
 
 
 def test_loading_a_missing_adapter_is_a_config_error(local, tmp_path):

@@ -147,3 +147,14 @@ def test_models_with_a_chat_template_render_through_it_and_keep_the_chat_adapter
     with pytest.raises(ConfigError, match="in-memory"):
         chat.to_spec()
     chat.close()
+
+
+def test_rendered_prompts_are_reused_and_callers_cannot_corrupt_them(tiny_local):
+    messages = [{"role": "user", "content": "Question: red\nAnswer:"}]
+    first = tiny_local.render(messages)
+    first.append(-1)  # a caller's edit stays in its own list
+    again = tiny_local.render([dict(m) for m in messages])
+    assert again == first[:-1]
+    assert again == list(tiny_local.tokenizer(tiny_local.render_text(messages), add_special_tokens=True)["input_ids"])
+    other = tiny_local.render([{"role": "user", "content": "Question: blue\nAnswer:"}])
+    assert other != again

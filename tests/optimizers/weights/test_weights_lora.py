@@ -213,3 +213,42 @@ def test_reference_can_be_the_starting_adapter(tiny_local):
     assert tiny_local.active_adapter == "second" and all("second" in n for n, p in policy.model.named_parameters()
                                                           if p.requires_grad)
     assert learner.update(items).kl > 0  # the second adapter moved away from the first
+
+
+def test_rollouts_hide_dspys_truncation_warning_but_others_still_see_it(tiny_local, task):
+    import contextlib
+    import logging
+
+    from flowopt.lm import CompletionAdapter
+    from flowopt.optimizers.weights.rollout import PolicyEngine, policy_lm, run_rollouts
+
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    handler = Collect()
+    lm_logger = logging.getLogger("dspy.clients.lm")
+    lm_logger.addHandler(handler)
+    try:
+        policy = Policy(tiny_local, lora=LoraSettings(r=4, alpha=8))
+        policy.start_adapter("quiet-test")
+        examples = task.examples(2, seed=0)
+        rollouts = run_rollouts(dspy.Predict("noise, cue -> word"), examples, 2, policy, temperature=1.0,
+                                max_new_tokens=1, generator=torch.Generator().manual_seed(0),
+                                adapter=CompletionAdapter(continue_missing=False))
+        truncated = [t for r in rollouts for t in r.transitions if t.finish_reason == "length"]
+        assert truncated  # one token is never a whole answer plus EOS
+        assert not [m for m in handler.messages if "truncated" in m]
+        # Outside a rollout the same truncation is still reported.
+        outside = dspy.Predict("noise, cue -> word")
+        outside.lm = policy_lm(PolicyEngine(policy, temperature=0.0, max_new_tokens=1))
+        # A one-token answer may not parse; the warning comes first either way.
+        with dspy.context(adapter=CompletionAdapter(continue_missing=False)), contextlib.suppress(Exception):
+            outside(**examples[0].inputs())
+        assert [m for m in handler.messages if "truncated" in m]
+    finally:
+        lm_logger.removeHandler(handler)
