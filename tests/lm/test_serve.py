@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import dspy
@@ -32,15 +34,17 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+@contextlib.contextmanager
+def _serving(model_dir: Path, log: Path, *extra: str) -> Iterator[str]:
+    """Run ``flowopt serve MODEL ...`` (the console command's entry point) on a free loopback port."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # float32 like the in-process fixtures, so greedy outputs can be compared token for token.
+    command = [sys.executable, "-c", "import sys; from flowopt.benchmarks.cli import main; sys.exit(main())",
+               "serve", str(model_dir), "--port", str(port), "--dtype", "float32", "--max-new-tokens", "12",
+               "--log-level", "warning", *extra]
     with log.open("w") as handle:
-        proc = subprocess.Popen([sys.executable, "-m", "flowopt.lm.serve", str(tiny_model_dir), "--port", str(port),
-                                 "--name", "tiny-served", "--max-new-tokens", "12", "--log-level", "warning"],
-                                cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 90
@@ -56,6 +60,12 @@ def server(tiny_model_dir, tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    with _serving(tiny_model_dir, tmp_path_factory.mktemp("serve") / "server.log", "--name", "tiny-served") as base:
+        yield base
 
 
 def _free_port() -> int:
@@ -101,21 +111,21 @@ def test_cli_reports_a_missing_model_with_exit_status_2(tmp_path):
     assert cli_main(["serve", str(tmp_path / "missing"), "--port", "1"]) == 2
 
 
-def test_an_adapter_is_served_in_process(tiny_model_dir, tmp_path, make_adapter):
-    """create_app over a LocalLM with an adapter (what --adapter builds), through FastAPI's test client."""
-    from fastapi.testclient import TestClient
-
+def test_serve_with_adapter_answers_with_the_adapted_weights(tiny_model_dir, tmp_path, make_adapter):
+    """``flowopt serve MODEL --adapter DIR`` in its own process: what a user runs after a weights stage."""
     from flowopt.lm import LocalLM
-    from flowopt.lm.serve import create_app
 
     adapter = make_adapter(tiny_model_dir, tmp_path / "lora", seed=5)
     local = LocalLM(tiny_model_dir, device="cpu", dtype="float32", adapter=adapter, max_new_tokens=8, batch_wait_ms=1)
-    client = TestClient(create_app(local))
-    assert client.get("/health").json()["adapter"] == "lora"
-    body = client.post("/v1/chat/completions", json={"messages": MESSAGES, "temperature": 0}).json()
-    expected = local.generate([MESSAGES], temperature=0.0, logprobs=False)[0].text
-    assert body["choices"][0]["message"]["content"] == expected
-    with local.adapter_disabled():
-        base = local.generate([MESSAGES], temperature=0.0, logprobs=False)[0].text
-    assert base != expected
-    local.close()
+    try:
+        expected = local.generate([MESSAGES], temperature=0.0, max_new_tokens=8, logprobs=False)[0].text
+        with local.adapter_disabled():
+            base_text = local.generate([MESSAGES], temperature=0.0, max_new_tokens=8, logprobs=False)[0].text
+    finally:
+        local.close()
+    assert base_text != expected  # the adapter matters, so serving it is what is checked
+    with _serving(tiny_model_dir, tmp_path / "server.log", "--adapter", str(adapter), "--name", "tuned") as base:
+        assert _get(base.removesuffix("/v1") + "/health")["adapter"] == "lora"
+        remote = dspy.LM("openai/tuned", api_base=base, api_key="x", engine="litellm", temperature=0.0,
+                         max_tokens=8, cache=False, num_retries=0)
+        assert remote(messages=MESSAGES) == [expected]
