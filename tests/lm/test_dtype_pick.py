@@ -38,5 +38,11 @@ def test_a_bf16_local_model_generates_and_scores(tiny_model_dir):
         scores = local.token_logprobs([sample.prompt_ids], [sample.completion_ids])
         assert scores.shape == (1, len(sample.completion_ids))
         assert torch.isfinite(scores).all() and (scores <= 0).all()
+        # LoRA weights train in float32 over the bf16 base (PEFT's adapter autocast), for both the
+        # first adapter and a later one.
+        for name in ("first", "second"):
+            model = local.add_adapter(name)
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            assert trainable and all(p.dtype == torch.float32 for p in trainable)
     finally:
         local.close()
