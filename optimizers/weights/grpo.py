@@ -14,6 +14,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -142,11 +143,13 @@ class GRPO(Stage):
         progress = ctx.progress(total=self.steps, desc="grpo") if hasattr(ctx, "progress") else None
         if progress is not None:
             progress.update(first)
+        # One set of rollout threads for the whole run (B x G of them wait together in every step).
+        pool = ThreadPoolExecutor(max_workers=self.batch_size * self.group_size, thread_name_prefix="flowopt-rollout")
         try:
             for step in range(first, self.steps):
                 ctx.budget.check()
                 with ctx.budget.guard():
-                    point = self._step(step, program, ctx, policy, learner, adapter)
+                    point = self._step(step, program, ctx, policy, learner, adapter, pool)
                 curve.append(point)
                 ctx.logger.info("grpo step %d/%d: reward %.3f (+/- %.3f), loss %.4f, failures %d",
                                 step + 1, self.steps, point["mean_reward"], point["reward_std"], point["loss"],
@@ -160,6 +163,7 @@ class GRPO(Stage):
             stop_reason = f"budget: {err.limit}"
             ctx.logger.info("grpo: budget exhausted after %d steps (%s)", len(curve), err.limit)
         finally:
+            pool.shutdown(wait=True)
             if progress is not None:
                 progress.close()
         program, info = finish(program, policy, ctx, self.name)
@@ -175,7 +179,7 @@ class GRPO(Stage):
         return program
 
     def _step(self, step: int, program: dspy.Module, ctx: Any, policy: Policy, learner: GRPOLearner,
-              adapter: Any) -> dict[str, Any]:
+              adapter: Any, pool: ThreadPoolExecutor) -> dict[str, Any]:
         import torch
 
         t0 = time.monotonic()
@@ -184,7 +188,7 @@ class GRPO(Stage):
         examples = [ctx.trainset[i] for i in _draw(rng, len(ctx.trainset), self.batch_size)]
         rollouts = run_rollouts(program, examples, self.group_size, policy, temperature=self.temperature,
                                 max_new_tokens=self.max_new_tokens,
-                                generator=torch_generator(policy, rng.getrandbits(63)), adapter=adapter)
+                                generator=torch_generator(policy, rng.getrandbits(63)), adapter=adapter, pool=pool)
         t1 = time.monotonic()
         rewards = torch.tensor([score_rollout(r, ctx.metric, node_rewards=self.node_rewards,
                                               format_penalty=self.format_penalty) for r in rollouts])

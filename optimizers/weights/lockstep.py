@@ -25,7 +25,9 @@ R = TypeVar("R")
 class _Slot:
     key: tuple[int, int]
     item: Any = field(compare=False)
-    done: bool = field(default=False, compare=False)
+    # Each caller waits on its own event: with one shared condition every arrival would wake every
+    # earlier caller (B x G threads, quadratic wake-ups fighting for the GIL).
+    done: threading.Event = field(default_factory=threading.Event, compare=False)
     result: Any = field(default=None, compare=False)
     error: BaseException | None = field(default=None, compare=False)
 
@@ -64,9 +66,8 @@ class LockstepBatcher(Generic[T, R]):
                 key = (1 << 30, self._counter)
             slot = _Slot(key, item)
             self._pending.append(slot)
-            self._cond.notify_all()
-            while not slot.done:
-                self._cond.wait()
+            self._cond.notify()  # only the serving thread waits on the condition
+        slot.done.wait()
         if slot.error is not None:
             raise slot.error
         return slot.result
@@ -75,7 +76,7 @@ class LockstepBatcher(Generic[T, R]):
         """One rollout thread ended; a batch may now be complete."""
         with self._cond:
             self._live -= 1
-            self._cond.notify_all()
+            self._cond.notify()
 
     def serve(self) -> None:
         """Run batches on this thread until every rollout has finished."""
@@ -102,7 +103,5 @@ class LockstepBatcher(Generic[T, R]):
             except Exception as err:
                 for slot in batch:
                     slot.error = err
-            with self._cond:
-                for slot in batch:
-                    slot.done = True
-                self._cond.notify_all()
+            for slot in batch:
+                slot.done.set()

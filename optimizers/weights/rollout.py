@@ -218,14 +218,21 @@ def is_format_failure(err: BaseException) -> bool:
     return isinstance(err, AdapterParseError) or "parse" in type(err).__name__.lower()
 
 
+def pool_size(pool: ThreadPoolExecutor) -> int:
+    """How many threads ``pool`` may run at once."""
+    return int(pool._max_workers)  # not public API; stable since Python 3.2
+
+
 def run_rollouts(program: dspy.Module, examples: Sequence[Any], group_size: int, policy: Policy, *,
                  temperature: float, max_new_tokens: int, generator: Any = None, adapter: Any = None,
-                 max_batch_size: int = 1024) -> list[Rollout]:
+                 max_batch_size: int = 1024, pool: ThreadPoolExecutor | None = None) -> list[Rollout]:
     """Run every example ``group_size`` times on the policy, all at once; rollouts come back in order
     (example 0 samples 0..G-1, then example 1, ...).
 
     Errors in the program (unparseable output) end that rollout with ``error`` set; errors of the
-    model itself are raised.
+    model itself are raised. ``pool`` (at least ``len(examples) * group_size`` workers, since every
+    rollout must be waiting at once for a lockstep batch) is reused across calls instead of starting
+    that many threads each step.
     """
     n = len(examples) * group_size
     if n == 0:
@@ -258,14 +265,17 @@ def run_rollouts(program: dspy.Module, examples: Sequence[Any], group_size: int,
 
     quiet = _QuietTruncation()
     _DSPY_LM_LOGGER.addFilter(quiet)
+    own_pool = pool is None or pool_size(pool) < n
+    workers = ThreadPoolExecutor(max_workers=n, thread_name_prefix="flowopt-rollout") if own_pool else pool
     try:
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="flowopt-rollout") as pool:
-            futures = [pool.submit(parent.copy().run, one, r) for r in rollouts]
-            batcher.serve()  # all generation runs here, on the caller's thread
-            for future in futures:
-                future.result()
+        futures = [workers.submit(parent.copy().run, one, r) for r in rollouts]
+        batcher.serve()  # all generation runs here, on the caller's thread
+        for future in futures:
+            future.result()
     finally:
         _DSPY_LM_LOGGER.removeFilter(quiet)
+        if own_pool:
+            workers.shutdown(wait=True)
     if engine.engine_errors:
         raise engine.engine_errors[0]
     logger.debug("rollouts: %d, LM batches %s", n, batcher.batch_sizes)
