@@ -1,8 +1,10 @@
 """Programs as data, and the layout of a compile run folder.
 
 A stage's output is saved as data only: a ``Workflow`` as its workflow JSON, any other
-``dspy.Module`` as DSPy's JSON state (demos, signatures) plus predictor settings. LM clients are never
-saved; loading rebinds them from the program being compiled.
+``dspy.Module`` as DSPy's JSON state (demos, signatures), predictor settings and a description of each
+predictor's LM (model and plain settings, never keys). Loading reuses the compiled program's LM client
+where the description matches and builds the described LM where a stage changed it (e.g. a weights
+stage's student LM with its adapter).
 
 Run folder layout::
 
@@ -18,11 +20,14 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
-from flowopt.errors import ConfigError
+from flowopt.errors import ConfigError, FlowoptError
 from flowopt.io import atomic_write_json
+
+logger = logging.getLogger(__name__)
 
 RUN_SCHEMA = "flowopt.compile-run/v1"
 
@@ -58,12 +63,21 @@ def program_to_data(program: Any) -> dict[str, Any]:
     for entry in state.values():
         if isinstance(entry, dict):
             entry.pop("lm", None)
-    configs = {}
+    from flowopt.lm_spec import lm_to_spec
+
+    configs, lms = {}, {}
     for name, predictor in program.named_predictors():
         config = {k: v for k, v in dict(getattr(predictor, "config", {}) or {}).items() if _is_json(v)}
         configs[name] = config
+        lm = getattr(predictor, "lm", None)
+        if lm is not None:
+            try:
+                lms[name] = lm_to_spec(lm)
+            except FlowoptError as err:  # e.g. a LocalLM over an in-memory model: nothing on disk to name
+                logger.warning("predictor %r: its LM cannot be described (%s); a resumed run will use the "
+                               "compiled program's LM for it", name, err)
     return {"kind": "module", "class": f"{type(program).__module__}.{type(program).__qualname__}",
-            "state": state, "configs": configs}
+            "state": state, "configs": configs, "lms": lms}
 
 
 def program_from_data(data: dict[str, Any], base: Any) -> Any:
@@ -81,10 +95,27 @@ def program_from_data(data: dict[str, Any], base: Any) -> Any:
     lms = {name: p.lm for name, p in program.named_predictors()}
     state = {k: (dict(v, lm=None) if isinstance(v, dict) else v) for k, v in data["state"].items()}
     program.load_state(state)
+    saved_lms = data.get("lms", {})
     for name, predictor in program.named_predictors():
-        predictor.lm = lms.get(name)
+        predictor.lm = _restore_lm(saved_lms.get(name), lms.get(name))
         predictor.config = dict(data.get("configs", {}).get(name, predictor.config))
     return program
+
+
+def _restore_lm(spec: dict[str, Any] | None, base_lm: Any) -> Any:
+    """The LM a saved predictor ran with: ``base_lm`` when it is the one described (it keeps its client,
+    keys and cache), else a new LM built from the description."""
+    from flowopt.lm_spec import lm_from_spec, lm_to_spec
+
+    if spec is None:
+        return base_lm
+    if base_lm is not None:
+        try:
+            if lm_to_spec(base_lm) == spec:
+                return base_lm
+        except FlowoptError:
+            pass  # the base LM cannot be described, so it is not the saved one
+    return lm_from_spec(spec)
 
 
 def _is_json(value: Any) -> bool:
