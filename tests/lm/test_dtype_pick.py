@@ -46,3 +46,23 @@ def test_a_bf16_local_model_generates_and_scores(tiny_model_dir):
             assert trainable and all(p.dtype == torch.float32 for p in trainable)
     finally:
         local.close()
+
+
+def test_the_output_projection_always_gets_a_contiguous_input(tiny_model_dir):
+    """transformers hands lm_head a strided slice of the hidden states; on CPU in bf16 with frozen
+    weights (any LoRA) torch's linear then copies the whole weight per row (seconds, not milliseconds)."""
+    local = LocalLM(tiny_model_dir, device="cpu", dtype="bfloat16", max_new_tokens=4)
+    try:
+        local.add_adapter("frozen-base")  # PEFT freezes the base weights: the slow case
+        head = local.base_model.get_output_embeddings()
+        seen = []
+        head.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+        prompt = local.render("Question: red\nAnswer:")
+        local.token_logprobs([prompt, prompt[:3]], [[5, 6, 7], [8]])  # keeps 4 of the last positions
+        local.generate(["Question: red\nAnswer:"], max_new_tokens=3, logprobs=False)
+        assert seen and all(seen)
+        hooks_before = len(head._forward_pre_hooks)
+        LocalLM.from_model(local.base_model, local.tokenizer, name="again").close()  # wrapping twice adds none
+        assert len(head._forward_pre_hooks) == hooks_before
+    finally:
+        local.close()
