@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heldout", type=int, default=48)
     parser.add_argument("--sft-epochs", type=int, default=3)
     parser.add_argument("--sft-lr", type=float, default=3e-4)
-    parser.add_argument("--grpo-steps", type=int, default=20)
+    parser.add_argument("--grpo-steps", type=int, default=60)
     parser.add_argument("--grpo-lr", type=float, default=1e-4)
     parser.add_argument("--grpo-beta", type=float, default=0.04, help="KL weight (reference: the SFT adapter)")
     parser.add_argument("--batch", type=int, default=4)
