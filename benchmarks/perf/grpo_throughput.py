@@ -284,6 +284,10 @@ RUNNERS = {
 }
 # Which TRL run each flowopt run is compared with: the one making the same memory/compute trade.
 BASELINE = {"flowopt": "trl-nockpt", "stage": "trl-nockpt", "flowopt-ckpt": "trl"}
+# The goal compares the runs that do TRL's work (prompts in, sampled completions scored by a reward
+# function, one update). The stage does more: it runs a DSPy program for every rollout (formatting,
+# parsing, traces), which TRL cannot do; its ratio is reported beside the goal, not as part of it.
+GOAL_RUNS = ("flowopt", "flowopt-ckpt")
 
 
 # ----------------------------------------------------------------------------- report
@@ -385,8 +389,9 @@ def write(args: argparse.Namespace, results: dict[str, Any], versions: dict[str,
         f"beta={args.beta} (reference = adapter disabled), loss dapo, 1 optimizer step per generation.  ",
         f"{args.steps} timed steps after {args.warmup} warm-up steps, {args.repeats} interleaved rounds; "
         "median step time.", "",
-        "| implementation | median step (s) | steps/s | vs TRL (same trade) | completion tokens/step | peak GPU GiB |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| implementation | median step (s) | rounds' medians (s) | steps/s | vs TRL (same trade) "
+        "| completion tokens/step | peak GPU GiB |",
+        "|---|---:|---|---:|---:|---:|---:|",
     ]
     names = {"flowopt": "flowopt (sampler + learner, token ids)",
              "flowopt-ckpt": "flowopt, gradient checkpointing",
@@ -396,16 +401,24 @@ def write(args: argparse.Namespace, results: dict[str, Any], versions: dict[str,
     for impl, r in results.items():
         base = BASELINE.get(impl)
         ratio = payload["flowopt_vs_trl"].get(f"{impl} vs {base}")
-        lines.append(f"| {names[impl]} | {r['median_step_s']:.3f} | {r['steps_per_s']:.2f} | "
+        rounds = ", ".join(f"{x:.3f}" for x in r["runs_median_step_s"])
+        lines.append(f"| {names[impl]} | {r['median_step_s']:.3f} | {rounds} | {r['steps_per_s']:.2f} | "
                      f"{'-' if ratio is None else f'{ratio:.2f}x {base}'} | "
                      f"{r['mean_completion_tokens_per_step'] or '-'} | "
                      f"{r['peak_gpu_gib'] if r['peak_gpu_gib'] is not None else '-'} |")
-    if payload["flowopt_vs_trl"]:
-        met = all(v >= 1.0 for v in payload["flowopt_vs_trl"].values())
+    goal = {k: v for k, v in payload["flowopt_vs_trl"].items() if k.split(" vs ")[0] in GOAL_RUNS}
+    if goal:
+        met = all(v >= 1.0 for v in goal.values())
         lines += ["", "Each flowopt run is compared with the TRL run that makes the same memory/compute trade "
                   "(gradient checkpointing on or off).",
-                  f"Goal (steps/s >= TRL's): {'met' if met else 'not met'} "
-                  f"({', '.join(f'{k}: {v:.2f}x' for k, v in payload['flowopt_vs_trl'].items())})."]
+                  f"Goal (steps/s >= TRL's, for the runs doing TRL's work): {'met' if met else 'not met'} "
+                  f"({', '.join(f'{k}: {v:.2f}x' for k, v in goal.items())})."]
+    stage = payload["flowopt_vs_trl"].get(f"stage vs {BASELINE['stage']}")
+    if stage is not None and "flowopt" in results:
+        extra = results["stage"]["median_step_s"] - results["flowopt"]["median_step_s"]
+        lines += [f"The whole stage, which also runs the DSPy program for each of the {args.batch * args.group} "
+                  f"rollouts, is {stage:.2f}x TRL's step: {extra * 1000:+.0f} ms a step over flowopt's own step "
+                  "(DSPy formatting, parsing and trace recording, and the rollout threads)."]
     atomic_write_text(RESULTS / f"{args.out_name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
