@@ -61,6 +61,10 @@ def sample_batch(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
     stopped_by_string: set[int] = set()
     pieces: dict[int, str] = {}  # token id -> its text, for the stop-string prefilter
+    # ``live`` maps the rows still in the model's batch to prompt rows. Once a quarter of them have
+    # ended they are dropped from the batch and the KV cache: a batch otherwise runs at full width
+    # until its longest completion ends. Tokens and log-probs are kept at full width (pad / 0.0).
+    live = torch.arange(n, device=device)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
                     logits_to_keep=1)
@@ -72,10 +76,15 @@ def sample_batch(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens
                 scores = scores / temperature
             logprobs = torch.log_softmax(scores, dim=-1)
             if temperature > 0:
-                token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+                # Inverse-CDF draws from one uniform per prompt row and step, used or not: a row's sample
+                # then depends only on the seed and its own logits, not on which rows were dropped.
+                picked = inverse_cdf(logprobs, torch.rand(n, generator=generator, device=device)[live])
             else:
-                token = logprobs.argmax(dim=-1)
-            token_logp = logprobs.gather(1, token.unsqueeze(1)).squeeze(1)
+                picked = logprobs.argmax(dim=-1)
+            token = torch.full((n,), pad_id, dtype=torch.long, device=device)
+            token[live] = picked
+            token_logp = torch.zeros(n, dtype=logprobs.dtype, device=device)
+            token_logp[live] = logprobs.gather(1, picked.unsqueeze(1)).squeeze(1)
             token = torch.where(done, torch.full_like(token, pad_id), token)
             tokens.append(token)
             logps.append(token_logp)
@@ -89,9 +98,16 @@ def sample_batch(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens
                     stopped_by_string.add(i)
             if bool(done.all()) or step + 1 == max_new_tokens:
                 break
-            attention = torch.cat([attention, torch.ones((n, 1), dtype=attention.dtype, device=device)], dim=1)
+            running = ~done[live]
+            if int(running.sum()) * 4 <= 3 * len(live):
+                keep = running.nonzero().squeeze(1)
+                live = live[keep]
+                past.batch_select_indices(keep)
+                attention, positions, picked = attention[keep], positions[keep], picked[keep]
+            attention = torch.cat([attention, torch.ones((len(live), 1), dtype=attention.dtype, device=device)],
+                                  dim=1)
             positions = positions[:, -1:] + 1
-            out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=positions,
+            out = model(input_ids=picked.unsqueeze(1), attention_mask=attention, position_ids=positions,
                         past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1, :]
@@ -106,6 +122,23 @@ def sample_batch(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens
         ended = i in stopped_by_string or (bool(ids_i) and ids_i[-1] in eos_set)
         results.append(Generated(ids_i, all_logps[i][:k], "stop" if ended else "length"))
     return results
+
+
+def inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logprobs`` ``[rows, vocab]``, drawn with the row's uniform in ``[0, 1)``.
+
+    Example:
+        >>> import torch
+        >>> inverse_cdf(torch.tensor([[0.25, 0.75]]).log(), torch.tensor([0.5])).tolist()
+        [1]
+    """
+    import torch
+
+    cdf = logprobs.exp().cumsum(-1)
+    # right=True: the first token whose cumulative mass exceeds the target, so a zero-probability
+    # token is never drawn, even for a uniform of exactly 0.
+    picked = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    return picked.clamp(max=cdf.shape[-1] - 1)
 
 
 def _rows_hitting_stop(tokenizer: Any, tokens: list[torch.Tensor], done: torch.Tensor, stop: Sequence[str],
