@@ -4,6 +4,9 @@ A plain KV-cache loop rather than ``model.generate``: GRPO needs the log-probabi
 token under exactly the distribution it was drawn from (``softmax(logits / T)``, no top-k or top-p,
 which the training forward reproduces), one seeded ``torch.Generator`` for the whole batch, and little
 per-step overhead, since with small models the Python around each step costs as much as the step.
+Rows that have ended leave the batch (and the KV cache), so a long completion does not keep every
+finished row computing; each step draws one uniform per row whether or not the row is still running,
+so a row's sample does not depend on when the others end.
 """
 
 from __future__ import annotations
