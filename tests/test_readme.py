@@ -32,6 +32,10 @@ def test_readme_examples_run(tmp_path, monkeypatch):
         models.append(model)
         return real_lm(f"scripted/{model}", engine=ScriptedEngine(scripted_answer))
 
+    # Modules that subclass dspy.LM must be imported before it is patched, or a block that first
+    # reaches them (a local model's adapter pick) would build them on this function.
+    import flowopt.lm.engine  # noqa: F401
+
     monkeypatch.setattr(dspy, "LM", fake_lm)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
