@@ -21,7 +21,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lm_throughput import prompts  # noqa: E402  (a sibling script, not a package)
+from lm_throughput import calls_at_once, calls_one_at_a_time, prompts  # noqa: E402  (a sibling script, not a package)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,34 +69,13 @@ def main(argv: list[str] | None = None) -> int:
             produced += out["usage"]["completion_tokens"]
         return produced, time.perf_counter() - began
 
-    def local_sequential() -> tuple[int, float]:
-        began = time.perf_counter()
-        for text in texts:
-            lm(text)
-        return sum(h["usage"]["completion_tokens"] for h in lm.history[-len(texts):]), time.perf_counter() - began
-
-    def local_concurrent() -> tuple[int, float]:
-        barrier = threading.Barrier(len(texts))
-
-        def call(text: str) -> None:
-            barrier.wait()
-            lm(text)
-
-        threads = [threading.Thread(target=call, args=(t,)) for t in texts]
-        began = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return sum(h["usage"]["completion_tokens"] for h in lm.history[-len(texts):]), time.perf_counter() - began
-
     llm(texts[0], max_tokens=4, temperature=0.0)  # warm-up both
     lm(texts[0])
     runs: dict[str, list[tuple[int, float]]] = {"llama_cpp_batch1": [], "local_batch1": [], "local_8_callers": []}
     for _ in range(args.repeats):
         runs["llama_cpp_batch1"].append(llama_sequential())
-        runs["local_batch1"].append(local_sequential())
-        runs["local_8_callers"].append(local_concurrent())
+        runs["local_batch1"].append(calls_one_at_a_time(lm, texts))
+        runs["local_8_callers"].append(calls_at_once(lm, texts))
     rate = {k: statistics.median(n / s for n, s in v) for k, v in runs.items()}
     tokens = {k: [n for n, _ in v] for k, v in runs.items()}
     sample = llm(texts[0], max_tokens=args.tokens, temperature=0.0, top_k=1)["choices"][0]["text"]

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -31,6 +32,33 @@ def prompts(count: int) -> list[str]:
     path = next(p for p in DATA if p.is_file())
     rows = [json.loads(line) for line in path.read_text().splitlines()[:count]]
     return [f"Question: {r['question']}\nAnswer:" for r in rows]
+
+
+def calls_one_at_a_time(lm: Any, texts: list[str]) -> tuple[int, float]:
+    """Call ``lm`` on each text in turn; (completion tokens, seconds)."""
+    began = time.perf_counter()
+    for text in texts:
+        lm(text)
+    produced = sum(h["usage"]["completion_tokens"] for h in lm.history[-len(texts):])
+    return produced, time.perf_counter() - began
+
+
+def calls_at_once(lm: Any, texts: list[str]) -> tuple[int, float]:
+    """Call ``lm`` on every text from its own thread, all released together; (completion tokens, seconds)."""
+    barrier = threading.Barrier(len(texts))
+
+    def call(text: str) -> None:
+        barrier.wait()
+        lm(text)
+
+    threads = [threading.Thread(target=call, args=(t,)) for t in texts]
+    began = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    produced = sum(h["usage"]["completion_tokens"] for h in lm.history[-len(texts):])
+    return produced, time.perf_counter() - began
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,35 +94,12 @@ def main(argv: list[str] | None = None) -> int:
                 produced += out.shape[1] - prompt.shape[1]
         return produced, time.perf_counter() - began
 
-    def local_sequential() -> tuple[int, float]:
-        began = time.perf_counter()
-        for text in texts:
-            lm(text)
-        produced = sum(h["usage"]["completion_tokens"] for h in lm.history[-len(texts):])
-        return produced, time.perf_counter() - began
-
-    def local_concurrent() -> tuple[int, float]:
-        barrier = threading.Barrier(len(texts))
-
-        def call(text: str) -> None:
-            barrier.wait()
-            lm(text)
-
-        threads = [threading.Thread(target=call, args=(t,)) for t in texts]
-        began = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        produced = sum(h["usage"]["completion_tokens"] for h in lm.history[-len(texts):])
-        return produced, time.perf_counter() - began
-
     lm(texts[0])  # warm-up
     runs: dict[str, list[tuple[int, float]]] = {"raw": [], "local_batch1": [], "local_8_callers": []}
     for _ in range(args.repeats):
         runs["raw"].append(raw_loop())
-        runs["local_batch1"].append(local_sequential())
-        runs["local_8_callers"].append(local_concurrent())
+        runs["local_batch1"].append(calls_one_at_a_time(lm, texts))
+        runs["local_8_callers"].append(calls_at_once(lm, texts))
     rate = {k: statistics.median(n / s for n, s in v) for k, v in runs.items()}
     tokens = {k: [n for n, _ in v] for k, v in runs.items()}
     overhead = rate["raw"] / rate["local_batch1"] - 1
