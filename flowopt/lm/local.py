@@ -10,12 +10,12 @@ code (the weights stages) uses the same object directly: :attr:`model`, :attr:`t
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
 import threading
 import uuid
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -262,8 +262,7 @@ class LocalLM:
         self._lm: LocalDSPyLM | None = None
         # Rendered chat prompts by content: GRPO sends each prompt G times per step, and an evaluation
         # repeats a predictor's instructions and demos on every call; tokenizing is deterministic.
-        self._rendered: OrderedDict[tuple[tuple[str, str], ...], tuple[int, ...]] = OrderedDict()
-        self._rendered_lock = threading.Lock()
+        self._render_messages = functools.lru_cache(maxsize=_RENDER_CACHE_SIZE)(self._tokenize_messages)
 
     # -- identity ----------------------------------------------------------------------------------
 
@@ -345,19 +344,12 @@ class LocalLM:
         if all(isinstance(t, int) for t in items):
             return [int(t) for t in items]
         key = tuple((str(m.get("role", "user")), str(m.get("content") or "")) for m in items)
-        with self._rendered_lock:
-            cached = self._rendered.get(key)
-            if cached is not None:
-                self._rendered.move_to_end(key)
-                return list(cached)
-        text = self.render_text(items)
+        return list(self._render_messages(key))
+
+    def _tokenize_messages(self, messages: tuple[tuple[str, str], ...]) -> tuple[int, ...]:
+        text = self.render_text([{"role": role, "content": content} for role, content in messages])
         # A chat template writes its own special tokens; a base transcript needs the tokenizer's.
-        ids = tuple(self.tokenizer(text, add_special_tokens=not self.chat)["input_ids"])
-        with self._rendered_lock:
-            self._rendered[key] = ids
-            if len(self._rendered) > _RENDER_CACHE_SIZE:
-                self._rendered.popitem(last=False)
-        return list(ids)
+        return tuple(self.tokenizer(text, add_special_tokens=not self.chat)["input_ids"])
 
     def _check_length(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         limit = getattr(self.base_model.config, "max_position_embeddings", None)

@@ -218,11 +218,6 @@ def is_format_failure(err: BaseException) -> bool:
     return isinstance(err, AdapterParseError) or "parse" in type(err).__name__.lower()
 
 
-def pool_size(pool: ThreadPoolExecutor) -> int:
-    """How many threads ``pool`` may run at once."""
-    return int(pool._max_workers)  # not public API; stable since Python 3.2
-
-
 def run_rollouts(program: dspy.Module, examples: Sequence[Any], group_size: int, policy: Policy, *,
                  temperature: float, max_new_tokens: int, generator: Any = None, adapter: Any = None,
                  max_batch_size: int = 1024, pool: ThreadPoolExecutor | None = None) -> list[Rollout]:
@@ -265,7 +260,7 @@ def run_rollouts(program: dspy.Module, examples: Sequence[Any], group_size: int,
 
     quiet = _QuietTruncation()
     _DSPY_LM_LOGGER.addFilter(quiet)
-    own_pool = pool is None or pool_size(pool) < n
+    own_pool = pool is None or pool._max_workers < n  # a private attribute, but stable since Python 3.2
     workers = ThreadPoolExecutor(max_workers=n, thread_name_prefix="flowopt-rollout") if own_pool else pool
     try:
         futures = [workers.submit(parent.copy().run, one, r) for r in rollouts]

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
 from flowopt.optimizers.weights.lockstep import LockstepBatcher
 
 
-def _run(batcher: LockstepBatcher, bodies: dict[tuple[int, int], callable]) -> dict:
+def _run(batcher: LockstepBatcher, bodies: dict[tuple[int, int], Callable]) -> dict:
     results: dict = {}
 
     def worker(key):
