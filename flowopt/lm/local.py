@@ -67,8 +67,8 @@ def pick_dtype(device: str, dtype: str | torch.dtype | None = None) -> torch.dty
 
     bf16 on CUDA (when supported) and on CPUs with native bf16 (see :func:`cpu_has_native_bf16`): a
     decode step reads every weight once, so halving their bytes nearly halves its time on a CPU, and
-    batched rows then cost little more than one (Gemma 3 270M on a 2-core AVX512-BF16 CPU: 80 ms per
-    step at batch 1 and 84 ms at batch 8, against 129 and 212 ms in float32).
+    batched rows cost little more than one (Gemma 3 270M on a 2-core AVX512-BF16 CPU: 58 ms per step
+    at batch 1 and 85 ms at batch 8, against 116 and 202 ms in float32; benchmarks/perf/cpu_bf16_paths.py).
     """
     import torch
 
@@ -99,7 +99,7 @@ def contiguous_output_projection(model: Any) -> None:
     transformers slices the last hidden states (``logits_to_keep``) before the projection, which leaves
     a strided view. For a bf16 weight that does not require grad (frozen under a LoRA adapter) torch's
     CPU ``linear`` then takes a batched-matmul path that copies the whole weight per row: Gemma 3
-    270M's 262k x 640 projection of 8 x 8 positions took 6.6 s instead of 0.1 s (torch 2.13). Copying the
+    270M's 262k x 640 projection of 8 x 8 positions took 8.0 s instead of 0.1 s (torch 2.13). Copying the
     small slice first avoids it; elsewhere the copy costs next to nothing. Idempotent.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
