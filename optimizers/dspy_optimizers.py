@@ -75,8 +75,8 @@ class MIPROStage(Stage):
 
     def __post_init__(self) -> None:
         _check_auto("MIPROStage", self.auto, none_ok=True)
-        for name, minimum in (("num_trials", 1), ("num_candidates", 1), ("max_bootstrapped_demos", 0), ("max_labeled_demos", 0),
-                              ("minibatch_size", 1)):
+        for name, minimum in (("num_trials", 1), ("num_candidates", 1), ("max_bootstrapped_demos", 0),
+                              ("max_labeled_demos", 0), ("minibatch_size", 1)):
             _check_count("MIPROStage", name, getattr(self, name), minimum)
         if self.auto is None and self.num_trials is None:
             raise ConfigError("MIPROStage needs auto or num_trials", fix='pass auto="light" or num_trials=10')

@@ -10,7 +10,7 @@ import dspy
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "compiler"))
-from fakes import examples, exact, reverse_answer
+from fakes import exact, examples, reverse_answer
 
 import flowopt
 from flowopt import ConfigError
