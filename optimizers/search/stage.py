@@ -94,7 +94,7 @@ class RandomSearch(Stage):
         alpha: the confidence pruner's one-sided error level per decision.
         reduction_factor: successive halving's eta.
         minibatch_size: valset examples in the first rung (at least ``max(20, 25% of the valset)``);
-            later rungs grow 1.5x (``confidence``) or 2x.
+            later rungs grow 1.25x (``confidence``: more chances to stop early) or 2x.
         parallel: candidates raced at once (default: all planned ones for ``"random"``, 4 for
             ``"tpe"``; extras go 4 at a time).
         finalists: how many fully scored candidates to re-score against the winner's curse (0: off).
@@ -194,7 +194,7 @@ class RandomSearch(Stage):
         ctx.rng.shuffle(order)  # one fixed order: the candidates' scores are paired example by example
         n = len(order)
         ends = [n] if self.pruner == "none" else rungs(n, first_rung(n, self.minibatch_size),
-                                                       1.5 if self.pruner == "confidence" else 2.0)
+                                                       1.25 if self.pruner == "confidence" else 2.0)
         planned = self.n_candidates
         width = self.parallel or (planned if self.sampler == "random" else 4)
         stop_reason, extras = "done", 0
@@ -303,7 +303,7 @@ class RandomSearch(Stage):
                  if t is ranked[0] or not worse_than(t.user_attrs[SCORES], leader, self.alpha)]
         programs = [space.apply(program, t) for t in close]
         shown = [d for p in programs for _, pred in p.named_predictors() for d in pred.demos]
-        fresh = [e for e in ctx.trainset if not _is_shown(e, shown)][: len(ctx.valset)]
+        fresh = [e for e in ctx.trainset if not _is_shown(e, shown)][: max(1, len(ctx.valset) // 2)]
         fresh_scores: list[list[float]] = [[] for _ in close]
         if len(close) > 1 and fresh:
             try:
