@@ -321,7 +321,13 @@ def main() -> None:
             results.append(res)
             log.info("seed %d (%s): %s", res["seed"], res["shape"], {k: round(v["test"]["expected"], 3)
                                                                     for k, v in res["rows"].items()})
-    total = time.perf_counter() - start
+            # Written after every seed, so an interrupted run still leaves its seeds so far.
+            write(results, methods, args, load_before, time.perf_counter() - start)
+    log.info("%s", (args.out / "search_generalisation.md").read_text())
+
+
+def write(results: list[dict[str, Any]], methods: list[str], args: argparse.Namespace,
+          load_before: tuple[float, float, float], total: float) -> None:
     summary = summarise(results, methods)
     machine = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
                "dspy": dspy.__version__, "load_before": load_before, "load_after": os.getloadavg()}
@@ -337,13 +343,12 @@ def main() -> None:
                                 if "pruner_error" in v else {}),
                              **({"search": v["report"].get("search")} if "report" in v and "search" in v["report"]
                                 else {})}
-                         for k, v in r["rows"].items()}} for r in results]
+                         for k, v in r["rows"].items()}} for r in sorted(results, key=lambda r: r["seed"])]
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"command": command, "machine": machine, "total_wall_s": round(total, 1), "summary": summary,
-               "seeds": compact}
+               "seeds_done": len(results), "seeds_asked": args.seeds, "seeds": compact}
     (args.out / "search_generalisation.json").write_text(json.dumps(payload, indent=1) + "\n")
     (args.out / "search_generalisation.md").write_text(render(payload, methods, args))
-    log.info("%s", (args.out / "search_generalisation.md").read_text())
 
 
 def render(payload: dict[str, Any], methods: list[str], args: argparse.Namespace) -> str:
@@ -357,7 +362,8 @@ def render(payload: dict[str, Any], methods: list[str], args: argparse.Namespace
         f"{m['load_before'][0]:.1f} before, {m['load_after'][0]:.1f} after), Python {m['python']}, DSPy {m['dspy']}. "
         f"Total {payload['total_wall_s']:.0f} s. Wall times are under that load; LM calls are exact counts.",
         "",
-        f"Task family: see the script's docstring. {len(payload['seeds'])} paired seeds (shapes rotate: "
+        f"Task family: see the script's docstring. {len(payload['seeds'])} paired seeds of {payload['seeds_asked']} "
+        f"asked (shapes rotate: "
         f"{', '.join(SHAPES)}), 60 train / 100 val / 300 held-out test, fake LM with {args.latency * 1000:.0f} ms "
         f"latency, {args.threads} threads, DSPy cache off. Test score = expected accuracy on the 300 test examples "
         "of the returned program (realised accuracy in the JSON). Differences are paired against BFRS(8), mean "
