@@ -1,0 +1,180 @@
+"""The search space: the candidates' demo sets, the pool sampled candidates draw from, instruction
+options and node settings, and how a trial turns into a program.
+
+Example:
+    >>> from flowopt.optimizers.search.space import SearchSpace
+    >>> SearchSpace().seeded
+    []
+"""
+
+from __future__ import annotations
+
+import contextvars
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import dspy
+
+from flowopt.compiler import StageContext, clone_program
+from flowopt.optimizers.demos import bootstrap_pool, labeled_demos, shuffled_bootstrap
+from flowopt.optimizers.search.instructions import instruction_candidates
+
+if TYPE_CHECKING:
+    from flowopt.optimizers.search.stage import RandomSearch
+
+
+class SearchSpace:
+    """The candidates of one search: seeded demo sets, the pool sampled ones draw from, and how to
+    apply a trial (live or finished) to a copy of the program."""
+
+    def __init__(self) -> None:
+        self.predictors: list[str] = []
+        self.pools: dict[str, list[dict[str, Any]]] = {}
+        self.seeded: list[tuple[str, list[list[int]]]] = []  # (kind, demo indices per predictor)
+        self.instructions: dict[str, list[str]] = {}
+        self.max_demos = 0
+        self.search_k = False
+        self.temps: dict[str, list[float | None]] = {}
+        self.ensemble: dict[str, list[int]] = {}
+        self.pool_exhausted_by: str | None = None
+
+    @classmethod
+    def build(cls, stage: RandomSearch, program: dspy.Module, ctx: StageContext, lm_pool: Executor) -> SearchSpace:
+        space = cls()
+        space.max_demos = stage.max_demos
+        space.search_k = stage.search_k
+        named = program.named_predictors()
+        space.predictors = [n for n, _ in named]
+        current = {n: [d.toDict() if hasattr(d, "toDict") else dict(d) for d in p.demos] for n, p in named}
+        sets: list[tuple[str, dict[str, list[dict[str, Any]]]]] = [("incumbent", current)]
+        if stage.n_candidates > 1:
+            sets.append(("zero-shot", {n: [] for n in space.predictors}))
+        if stage.n_candidates > 2:
+            sets.append(("labeled", labeled_demos(ctx.trainset, stage.max_labeled_demos, ctx.seed, space.predictors)))
+        sets.extend(space._bootstraps(stage, program, ctx, lm_pool))
+        pool = None
+        if stage.pool_size and stage.n_candidates > len(sets) and stage.max_demos:
+            pool = bootstrap_pool(program, ctx, successes=stage.pool_size, max_labeled_demos=stage.max_labeled_demos,
+                                  metric_threshold=stage.metric_threshold, executor=lm_pool)
+            space.pool_exhausted_by = space.pool_exhausted_by or pool.exhausted_by
+        for name in space.predictors:
+            entries: list[dict[str, Any]] = []
+            for demo in [*(d for _, demos in sets for d in demos[name]), *(pool.demos_for(name) if pool else [])]:
+                if demo not in entries:
+                    entries.append(demo)
+            space.pools[name] = entries
+        space.seeded = [(kind, [[space.pools[n].index(d) for d in demos[n]] for n in space.predictors])
+                        for kind, demos in sets]
+        space.instructions = instruction_candidates(stage, program, ctx, space)
+        space._node_settings(stage, program)
+        return space
+
+    def _bootstraps(self, stage: RandomSearch, program: dspy.Module, ctx: StageContext,
+                    lm_pool: Executor) -> list[tuple[str, dict[str, list[dict[str, Any]]]]]:
+        """DSPy's shuffled-bootstrap candidates, all bootstrapped at once on the shared LM threads."""
+        count = stage.seeded_count()
+        if not count:
+            return []
+
+        def one(i: int) -> tuple[dict[str, list[dict[str, Any]]], str | None]:
+            return shuffled_bootstrap(program, ctx, i, max_bootstrapped=max(1, stage.max_demos),
+                                      max_labeled=stage.max_labeled_demos, metric_threshold=stage.metric_threshold,
+                                      executor=lm_pool)
+
+        with ThreadPoolExecutor(max_workers=count, thread_name_prefix="flowopt-seeds") as seeds:
+            futures = [seeds.submit(contextvars.copy_context().run, one, i) for i in range(count)]
+            results = [f.result() for f in futures]
+        for _, exhausted in results:
+            self.pool_exhausted_by = self.pool_exhausted_by or exhausted
+        return [(f"bootstrap-{i}", demos) for i, (demos, _) in enumerate(results)]
+
+    def _node_settings(self, stage: RandomSearch, program: dspy.Module) -> None:
+        nodes = getattr(program, "nodes", None)
+        if isinstance(nodes, dict):  # a Workflow: settings belong to operators
+            for node_id, op in nodes.items():
+                if stage.temperatures and hasattr(op, "temperature"):
+                    self.temps[f"node:{node_id}"] = _dedup([getattr(op, "temperature", None), *stage.temperatures])
+                if stage.ensemble_n and getattr(op, "op_name", "") == "ScEnsemble":
+                    self.ensemble[f"node:{node_id}"] = _dedup([op.n, *stage.ensemble_n])
+        elif stage.temperatures:
+            for name, predictor in program.named_predictors():
+                self.temps[name] = _dedup([predictor.config.get("temperature"), *stage.temperatures])
+
+    def fixed_params(self) -> dict[str, Any]:
+        """The incumbent's instruction and node settings (seeded candidates change demos only)."""
+        params: dict[str, Any] = {}
+        for i, name in enumerate(self.predictors):
+            if len(self.instructions[name]) > 1:
+                params[f"p{i}.instr"] = 0
+        for key in self.temps:
+            params[f"{key}.temp"] = 0
+        for key in self.ensemble:
+            params[f"{key}.n"] = 0
+        return params
+
+    def apply(self, program: dspy.Module, trial: Any) -> dspy.Module:
+        """A copy of ``program`` set up as the trial says (``trial`` may be a live or a frozen trial)."""
+        get = _getter(trial)
+        fixed = trial.user_attrs.get("demos")
+        candidate = clone_program(program)
+        named = dict(candidate.named_predictors())
+        for i, name in enumerate(self.predictors):
+            predictor = named[name]
+            pool = self.pools[name]
+            if fixed is not None:
+                predictor.demos = [dspy.Example(**pool[idx]) for idx in fixed[i]]
+            elif pool and self.max_demos:
+                k = get("int", f"p{i}.k", 0, self.max_demos) if self.search_k else self.max_demos
+                chosen: list[int] = []
+                for j in range(self.max_demos):
+                    idx = get("cat", f"p{i}.d{j}", list(range(len(pool))))
+                    if j < k and idx not in chosen:
+                        chosen.append(idx)
+                predictor.demos = [dspy.Example(**pool[idx]) for idx in chosen]
+            options = self.instructions[name]
+            if len(options) > 1:
+                text = options[get("cat", f"p{i}.instr", list(range(len(options))))]
+                predictor.signature = predictor.signature.with_instructions(text)
+        nodes = getattr(candidate, "nodes", None)
+        for key, choices in self.temps.items():
+            t = choices[get("cat", f"{key}.temp", list(range(len(choices))))]
+            if key.startswith("node:") and isinstance(nodes, dict):
+                op = nodes[key[5:]]
+                op.temperature = t
+                for _, p in op.named_predictors():
+                    _set_temperature(p, t)
+            elif key in named:
+                _set_temperature(named[key], t)
+        for key, choices in self.ensemble.items():
+            n = choices[get("cat", f"{key}.n", list(range(len(choices))))]
+            if isinstance(nodes, dict):
+                nodes[key[5:]].n = n
+        return candidate
+
+
+def _set_temperature(predictor: Any, t: float | None) -> None:
+    if t is None:
+        predictor.config.pop("temperature", None)
+    else:
+        predictor.config["temperature"] = t
+
+
+def _getter(trial: Any) -> Any:
+    """``get(kind, name, ...)``: suggest on a live trial, read the stored value on a frozen one."""
+    if hasattr(trial, "suggest_int"):
+        def get(kind: str, name: str, *args: Any) -> Any:
+            if kind == "int":
+                return trial.suggest_int(name, args[0], args[1])
+            return trial.suggest_categorical(name, args[0])
+    else:
+        def get(kind: str, name: str, *args: Any) -> Any:
+            return trial.params[name]
+    return get
+
+
+def _dedup(values: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for v in values:
+        if v not in out:
+            out.append(v)
+    return out

@@ -1,0 +1,130 @@
+"""The search's optuna study: storage, per-candidate samplers, waves of candidates, interrupted trials.
+
+Only optuna's public API is used. A trial cut short (by a budget stop, or by a kill of the process
+that ran it) is a FAIL trial carrying a ``candidate`` number; the next run asks that candidate again
+with the parameters it had, so a resumed search repeats an uninterrupted one exactly.
+
+Example:
+    >>> from flowopt.optimizers.search.study import candidate_sampler
+    >>> type(candidate_sampler("random", seed=0, number=3, n_candidates=8)).__name__
+    'RandomSampler'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+from flowopt.errors import ConfigError
+
+STUDY_NAME = "flowopt-search"
+INTERRUPTED = "interrupted"
+
+
+def open_study(storage: str | None, study_name: str, pruner: Any, run_dir: Path | None,
+               resume: bool) -> tuple[Any, bool]:
+    """The optuna study and whether it is shared with other workers.
+
+    ``storage``: ``None``/``"sqlite"`` (``run_dir/search.db``; in memory without a run_dir),
+    ``"journal"`` (``run_dir/search.journal``) or an optuna RDB URL that several workers share.
+    """
+    import optuna
+
+    store: Any = storage
+    shared = isinstance(storage, str) and "://" in storage
+    if storage in (None, "sqlite", "journal") and run_dir is None:
+        if storage is not None:
+            raise ConfigError(f'RandomSearch storage="{storage}" needs a run_dir',
+                              fix="pass run_dir= to compile, or leave storage unset")
+    elif storage == "journal":
+        from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+
+        path = str(Path(run_dir or ".") / "search.journal")
+        # A process killed while it holds the lock leaves the lock file: break it after 3 s, not 30.
+        lock = JournalFileOpenLock(path, grace_period=3)
+        store = optuna.storages.JournalStorage(JournalFileBackend(path, lock_obj=lock))
+    elif storage in (None, "sqlite"):
+        store = f"sqlite:///{Path(run_dir or '.') / 'search.db'}"
+    else:
+        # Heartbeats let a shared study notice a worker that died and fail its trial.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            store = optuna.storages.RDBStorage(storage, heartbeat_interval=60, grace_period=180)
+    study = optuna.create_study(storage=store, study_name=study_name, direction="maximize",
+                                pruner=pruner, load_if_exists=True)
+    if not shared and run_dir is not None and not resume and study.get_trials(deepcopy=False):
+        # A leftover study from an earlier, not resumed, run in the same folder: start afresh.
+        optuna.delete_study(study_name=study_name, storage=store)
+        study = optuna.create_study(storage=store, study_name=study_name, direction="maximize", pruner=pruner)
+    if shared:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "experimental", "heartbeat meant for Study.optimize"
+            optuna.storages.fail_stale_trials(study)
+    else:
+        # Trials left RUNNING belong to a process that was killed (we are the only worker).
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+    return study, shared
+
+
+def candidate_sampler(kind: str, seed: int, number: int, n_candidates: int) -> Any:
+    """A fresh sampler seeded by the candidate number: what candidate k is depends on (seed, k) and
+    the finished trials only, so a resumed search repeats an uninterrupted one exactly."""
+    import optuna
+
+    s = int(hashlib.sha1(f"flowopt-search:{seed}:{number}".encode()).hexdigest()[:8], 16)
+    if kind == "tpe":
+        return optuna.samplers.TPESampler(seed=s, n_startup_trials=min(5, max(1, n_candidates // 3)))
+    return optuna.samplers.RandomSampler(seed=s)
+
+
+def ask(study: Any) -> Any:
+    """``study.ask()``, quiet about heartbeats (we ask/tell; heartbeats still run)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Heartbeat of storage")
+        return study.ask()
+
+
+def stop_running(study: Any, trials: list[Any], reason: str) -> None:
+    """Fail the ``trials`` still RUNNING, marked ``interrupted=reason``, so a later run asks them again."""
+    from optuna.trial import TrialState
+
+    running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    for trial in trials:
+        if trial.number in running:
+            trial.set_user_attr(INTERRUPTED, reason)
+            study.tell(trial, state=TrialState.FAIL)
+
+
+def finished_count(study: Any) -> int:
+    """Trials scored to the end or pruned."""
+    from optuna.trial import TrialState
+
+    return sum(1 for t in study.get_trials(deepcopy=False) if t.state in (TrialState.COMPLETE, TrialState.PRUNED))
+
+
+def next_wave(study: Any, n: int, width: int, *, skip_running: bool) -> list[tuple[int, Any]]:
+    """The candidates of the first wave (numbers ``[k*width, (k+1)*width)``) with unfinished members,
+    each with the latest trial a kill or budget stop cut short (or ``None``). A shared study skips
+    candidates that another worker is running."""
+    from optuna.trial import TrialState
+
+    finished, cut, running = set(), {}, set()
+    for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
+        number = t.user_attrs.get("candidate")
+        if number is None:
+            continue
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
+            finished.add(number)
+        elif t.state == TrialState.RUNNING:
+            running.add(number)
+        elif t.state == TrialState.FAIL:
+            cut[number] = t
+    for start in range(0, n, max(1, width)):
+        members = [k for k in range(start, min(n, start + width))
+                   if k not in finished and not (skip_running and k in running)]
+        if members:
+            return [(k, cut.get(k)) for k in members]
+    return []
