@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import optuna
@@ -32,7 +33,7 @@ from flowopt.optimizers.search.shared_storage import open_rdb_storage
 postgres_cluster, postgres_url = postgres.postgres_cluster, postgres.postgres_url  # the fixtures
 WORKER = Path(__file__).parent / "shared_worker.py"
 # 12 candidates, scored on all 8 valset examples each (no pruning: verdicts would depend on timing).
-SETTINGS = {"n_candidates": 12, "seeded": 3, "max_demos": 2, "max_labeled_demos": 2, "pool_size": 4,
+SETTINGS = {"n_candidates": 12, "seeded": 1, "max_demos": 2, "max_labeled_demos": 2, "pool_size": 2,
             "pruner": "none", "heartbeat_s": 1, "stale_after_s": 4, "wait_timeout_s": 60}
 
 
@@ -54,12 +55,12 @@ def _states(url: str, study: str) -> str:
 def test_three_workers_one_killed_finish_every_candidate_once_and_agree(postgres_url, tmp_path):
     reference = compile_once({**SETTINGS}, latency=0.0)  # one process, in-memory study, same seed
     outs = [tmp_path / f"w{i}.json" for i in range(3)]
-    workers = [_start(postgres_url, "qa", out, latency=0.15) for out in outs]
+    workers = [_start(postgres_url, "qa", out, latency=0.25) for out in outs]  # a candidate: ~0.5 s
     victim = None
     deadline = time.monotonic() + 90
     try:
-        while victim is None and time.monotonic() < deadline:  # kill a worker holding a candidate
-            time.sleep(0.2)
+        while victim is None and time.monotonic() < deadline:  # kill a worker that just claimed a candidate
+            time.sleep(0.05)
             try:
                 trials = _trials(postgres_url, "qa")
             except KeyError:  # the study is not created yet
@@ -67,9 +68,9 @@ def test_three_workers_one_killed_finish_every_candidate_once_and_agree(postgres
             if not any(t.state == TrialState.COMPLETE for t in trials):
                 continue
             for t in trials:
-                held_by = t.user_attrs.get("worker", "")
-                if t.state == TrialState.RUNNING:
-                    victim = next((w for w in workers if held_by.split(":")[1:2] == [str(w.pid)]), None)
+                pid = t.user_attrs.get("worker", "::").split(":")[1]
+                if t.state == TrialState.RUNNING and datetime.now() - t.datetime_start < timedelta(seconds=0.25):
+                    victim = next((w for w in workers if str(w.pid) == pid), None)
                     if victim is not None:
                         break
         assert victim is not None, f"no worker ever held a candidate: {_states(postgres_url, 'qa')}"
