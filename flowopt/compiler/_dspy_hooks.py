@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 from dspy.utils.callback import BaseCallback
@@ -37,6 +38,12 @@ class UsageForwarder:
         self.tracker._add_real(dict(usage_entry or {}))
         if self.inner is not None:
             self.inner.add_usage(lm, usage_entry)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> UsageForwarder:
+        # DSPy's ParallelExecutor deep-copies the usage tracker for each thread. The budget tracker
+        # holds a lock (which cannot be copied) and must stay the one shared count: copy only the
+        # user's own tracker, as DSPy intends.
+        return UsageForwarder(self.tracker, copy.deepcopy(self.inner, memo))
 
     def get_total_tokens(self) -> dict[str, Any]:
         return self.inner.get_total_tokens() if self.inner is not None else {}

@@ -38,13 +38,12 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import dspy
 
 from flowopt.compiler import StageContext
 from flowopt.errors import BudgetExhausted, ConfigError, FlowoptError
-from flowopt.optimizers.search.pruning import rungs
 from flowopt.optimizers.search.shared_plan import apply_definition, plan_candidates
 from flowopt.optimizers.search.shared_storage import once, open_rdb_storage
 from flowopt.optimizers.search.study import INTERRUPTED
@@ -86,7 +85,7 @@ class SharedWorker:
         self.storage = open_rdb_storage(str(stage.storage), heartbeat_s=stage.heartbeat_s,
                                         stale_after_s=stage.stale_after_s)
         self.study = optuna.create_study(storage=self.storage, study_name=stage.study_name, direction="maximize",
-                                         pruner=stage._pruner(), load_if_exists=True,
+                                         pruner=optuna.pruners.NopPruner(), load_if_exists=True,
                                          sampler=optuna.samplers.RandomSampler(seed=ctx.seed))
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.held: set[int] = set()  # trial ids this worker runs (heartbeats go to these)
@@ -210,8 +209,7 @@ class SharedWorker:
 
         order = list(self.ctx.valset)
         self.ctx.rng.shuffle(order)  # the same seed in every worker: the same order, comparable minibatches
-        first = self.stage.minibatch_size or max(self.ctx.num_threads, -(-len(order) // 8))
-        ends = rungs(len(order), first if self.stage.pruner != "none" else len(order))
+        ends = self.stage.rung_ends(len(order))
         width = self.stage.parallel or 1
         stop_reason = "done"
         last_progress, progress_mark = time.monotonic(), None
@@ -325,24 +323,32 @@ class SharedWorker:
         return sum(int(v) for k, v in self.study.user_attrs.items() if k.startswith(CALLS))
 
     def best(self, program: dspy.Module, stop_reason: str, plan: dict[str, Any]) -> dspy.Module:
+        """The study's pick, made by the stage's own rule (finalists included) from the stored
+        definitions: every worker sees the same finished trials, so every worker picks the same."""
         from optuna.trial import TrialState
 
-        trials = self.study.get_trials(deepcopy=False)
-        finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-        complete = [t for t in finished if t.value is not None and t.state == TrialState.COMPLETE]
+        ends = self.stage.rung_ends(len(self.ctx.valset))
+        chosen = self.stage._best(self.study, StoredCandidates(), program, self.ctx, stop_reason, ends,
+                                  len(self.ctx.valset))
+        finished = [t for t in self.study.get_trials(deepcopy=False)
+                    if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
         scored = {t.user_attrs.get("candidate") for t in finished}
         self.ctx.record(candidates_tried=len(scored), scored_here=self.scored_here,
                         scored_twice=len(finished) - len(scored), study_candidates=plan["candidates"],
-                        pruned=sum(1 for t in finished if t.state == TrialState.PRUNED), stop_reason=stop_reason,
-                        study_lm_calls=self.study_calls(),
-                        planner=plan["planner"] == self.worker_id, pool_demos=plan["pool_demos"],
-                        instruction_candidates=plan["instruction_candidates"])
-        if not complete:
-            return program
-        top = max(complete, key=lambda t: (t.value, -t.user_attrs["candidate"]))
-        self.ctx.record(best_candidate=top.user_attrs["candidate"], best_kind=top.user_attrs.get("kind"),
-                        best_value=round(top.value, 6))
-        return apply_definition(program, top.user_attrs["definition"])
+                        study_lm_calls=self.study_calls(), planner=plan["planner"] == self.worker_id,
+                        pool_demos=plan["pool_demos"], instruction_candidates=plan["instruction_candidates"])
+        return chosen
+
+
+class StoredCandidates:
+    """Stands in for the search space when the stage picks its winner: a trial's program is its
+    stored definition applied to this worker's program."""
+
+    pools: ClassVar[dict[str, list[Any]]] = {}
+    instructions: ClassVar[dict[str, list[str]]] = {}
+
+    def apply(self, program: dspy.Module, trial: Any) -> dspy.Module:
+        return apply_definition(program, trial.user_attrs["definition"])
 
 
 def _fingerprint(stage: RandomSearch) -> dict[str, Any]:

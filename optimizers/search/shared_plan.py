@@ -85,7 +85,7 @@ def plan_candidates(stage: RandomSearch, program: dspy.Module,
         space = SearchSpace.build(stage, program, ctx, lm_pool)
     scratch = optuna.create_study(direction="maximize")
     planned = []
-    for number in range(stage.n_candidates):
+    for number in range(stage.n_candidates + (stage.extra or 0)):
         trial, candidate = stage._ask(scratch, space, program, ctx, number, None)
         planned.append((str(trial.user_attrs["kind"]), definition_of(candidate)))
     return planned, space

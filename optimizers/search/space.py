@@ -53,7 +53,9 @@ class SearchSpace:
             sets.append(("labeled", labeled_demos(ctx.trainset, stage.max_labeled_demos, ctx.seed, space.predictors)))
         sets.extend(space._bootstraps(stage, program, ctx, lm_pool))
         pool = None
-        if stage.pool_size and stage.n_candidates > len(sets) and stage.max_demos:
+        distinct = {repr(sorted(d.items())) for _, demos in sets for ds in demos.values() for d in ds}
+        if stage.pool_size > len(distinct) and stage.may_sample() and stage.max_demos:
+            # Sampled candidates draw from every demo above; bootstrap more only if those are too few.
             pool = bootstrap_pool(program, ctx, successes=stage.pool_size, max_labeled_demos=stage.max_labeled_demos,
                                   metric_threshold=stage.metric_threshold, executor=lm_pool)
             space.pool_exhausted_by = space.pool_exhausted_by or pool.exhausted_by
@@ -124,7 +126,7 @@ class SearchSpace:
             if fixed is not None:
                 predictor.demos = [dspy.Example(**pool[idx]) for idx in fixed[i]]
             elif pool and self.max_demos:
-                k = get("int", f"p{i}.k", 0, self.max_demos) if self.search_k else self.max_demos
+                k = get("int", f"p{i}.k", 1, self.max_demos) if self.search_k else self.max_demos
                 chosen: list[int] = []
                 for j in range(self.max_demos):
                     idx = get("cat", f"p{i}.d{j}", list(range(len(pool))))

@@ -1,35 +1,42 @@
 """``RandomSearch``: optuna search over demo sets, instructions and node settings.
 
-Candidates, in this order (candidate numbers 0, 1, ...):
+Candidates, in this order (candidate numbers 0, 1, ...); by default the first ``n_candidates`` are
+DSPy's ``BootstrapFewShotWithRandomSearch`` (BFRS) set, so the search is never weaker than BFRS at
+the same count:
 
 * the incumbent (the program the stage starts from);
-* DSPy's ``BootstrapFewShotWithRandomSearch`` set (``seeded`` of them): zero-shot, labeled demos only,
-  then per-candidate bootstraps of a shuffled trainset, each with its own teacher and a random number
-  of traces topped up with labeled demos (see :func:`~flowopt.optimizers.demos.shuffled_bootstrap`;
-  with seed 0 these are DSPy's very candidates);
-* candidates sampled by optuna (random, or TPE): per predictor a demo subset drawn from the union of
-  every demo above and a bootstrapped pool, an instruction (the original, given ones, or ones written
-  by a proposer LM), and per node the temperature and the ``ScEnsemble`` sample count.
+* zero-shot, labeled demos only, then ``n_candidates - 3`` shuffled bootstraps of DSPy's full demo
+  size, each with its own teacher and a random number of traces topped up with labeled demos (see
+  :func:`~flowopt.optimizers.demos.shuffled_bootstrap`; with seed 0 these are BFRS's very
+  candidates). ``seeded=k`` keeps only ``k`` bootstraps and samples the rest;
+* then extra candidates sampled by optuna (random, or TPE), paid for by what pruning saved (scoring
+  every planned candidate on the whole valset is the allowance) or, under a ``Budget`` with
+  ``max_lm_calls``, by what the budget leaves: per predictor a demo subset of 1..``max_demos``
+  demos from the union of every demo above, an instruction (the original, given ones, or ones
+  written by a proposer LM), and per node the temperature and the ``ScEnsemble`` sample count.
 
-Candidates are raced in waves (``parallel`` at a time; all at once for the random sampler): the
-examples of every live candidate share one pool of ``num_threads`` threads, on a doubling schedule of
-minibatches of the valset; after each minibatch optuna prunes a candidate whose mean trails the
-median of all candidates scored that far. Scores are memoised, so the incumbent, the zero-shot
-program and the compiler's final check cost nothing again. Bootstraps run concurrently on the same
-thread limit.
+Candidates are raced in waves: the examples of every live candidate share one pool of
+``num_threads`` threads, rung by rung over one shuffled order of the valset, and after each rung the
+pruner (:mod:`~flowopt.optimizers.search.pruning`; default ``"confidence"``: paired test against the
+leader, pruned only when worse at one-sided 95%) stops the candidates that are behind. Scores are
+memoised, so the incumbent, the zero-shot program and the compiler's final check cost nothing again.
+
+Winner's curse: the best of many valset scores is biased upward. The finalists (up to ``finalists``
+fully scored candidates that the valset cannot tell from the leader) are re-scored on training
+examples that are demos of none of them, and the winner is the best on valset + those examples;
+the report gives both scores for each finalist.
 
 Storage and resume: with a ``run_dir`` the study is an sqlite file, ``search.db`` in the stage's folder
-(``run_dir/stages/NN-search/``), used by one process at a time; a killed
-search resumes from it and repeats an uninterrupted run exactly (candidates are numbered, sampled
-from a sampler seeded by (seed, number), and a wave cut short is rerun with the parameters it had).
-``storage="journal"`` uses optuna's journal file instead (cheaper to open: no schema set-up and no
-transaction per write). Any other optuna RDB URL (``postgresql+psycopg://...``) is a study shared by
-several processes or machines: see :mod:`~flowopt.optimizers.search.shared`.
+(``run_dir/stages/NN-search/``), used by one process at a time; a killed search resumes from it
+(candidates are numbered, sampled from a sampler seeded by (seed, number), and a wave cut short is
+rerun with the parameters it had). ``storage="journal"`` uses optuna's journal file instead. Any
+other optuna RDB URL (``postgresql+psycopg://...``) is a study shared by several processes or
+machines: see :mod:`~flowopt.optimizers.search.shared`.
 """
 
 from __future__ import annotations
 
-import math
+import statistics
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,7 +46,7 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
-from flowopt.optimizers.search.pruning import rung_pruner, rungs
+from flowopt.optimizers.search.pruning import PRUNE_RULES, first_rung, rungs, to_prune, worse_than
 from flowopt.optimizers.search.shared import run_shared
 from flowopt.optimizers.search.shared_storage import exclusive_run_dir, is_shared
 from flowopt.optimizers.search.space import SearchSpace
@@ -55,34 +62,45 @@ from flowopt.optimizers.search.study import (
 )
 
 SAMPLERS = ("random", "tpe")
-PRUNERS = ("halving", "median", "none")
+PRUNERS = PRUNE_RULES
+SCORES = "scores"  # user attr: the trial's per-example scores, in the search's valset order
 
 
 @dataclass(frozen=True)
 class RandomSearch(Stage):
-    """Search demo sets, instructions and node settings with optuna (random sampler by default).
+    """Search demo sets, instructions and node settings with optuna; prune only what is shown worse.
+
+    Default mix: the incumbent, zero-shot, labeled-only and ``n_candidates - 3`` shuffled bootstraps
+    (DSPy's BFRS set), then optuna-sampled extras (demo subsets of 1..``max_demos``, instructions,
+    node settings) paid for by the calls pruning saved or a ``Budget`` leaves.
 
     Settings:
-        n_candidates: candidates to try, counting the incumbent (tried first), the seeded ones and
-            pruned ones.
-        seeded: how many DSPy-style shuffled bootstraps to try (after the incumbent, zero-shot and
-            labeled-only candidates); ``None``: half of the candidates left after those three.
+        n_candidates: planned candidates, counting the incumbent, zero-shot and labeled-only ones.
+        seeded: how many shuffled bootstraps among them (``None``: all ``n_candidates - 3``); the
+            rest of the planned candidates are sampled.
+        extra: sampled candidates beyond the planned ones: ``None`` (default) as many as the savings
+            of pruning (or a ``max_lm_calls`` budget) pay for, at most ``max_extra``; an int: exactly
+            that many.
+        max_extra: cap on paid-for extras.
         max_demos: bootstrapped demos per seeded candidate (1..max_demos, drawn per candidate) and
             demo slots of a sampled candidate.
-        search_k: for sampled candidates, also search how many demos to show (0..max_demos).
-        pool_size: successful bootstraps to collect for the pool of sampled candidates (only
-            bootstrapped when some candidates are sampled).
+        search_k: for sampled candidates, also search how many demos to show (1..max_demos).
+        pool_size: demos the sampled candidates draw from; bootstrapped only when the planned
+            candidates' demos are fewer.
         max_labeled_demos: labeled demos in each teacher, and the demo count seeded candidates are
             topped up to with labeled examples (DSPy's ``max_labeled_demos``).
         sampler: ``"random"`` or ``"tpe"``.
-        pruner: ``"halving"`` (successive halving: after each minibatch keep the best
-            ``1/reduction_factor`` of all candidates scored that far), ``"median"`` (prune below
-            their median) or ``"none"``.
-        reduction_factor: successive halving's eta (3, as in Hyperband; optuna's default is 4).
-        minibatch_size: valset examples in the first minibatch; later ones double (default:
-            ``num_threads``, at least an eighth of the valset).
-        parallel: candidates raced at once (default: all for ``"random"``, 4 for ``"tpe"``, so TPE
-            learns between waves).
+        pruner: ``"confidence"`` (paired test against the leader: McNemar's exact test for 0/1
+            scores, a paired normal bound otherwise; prune when worse at one-sided ``1 - alpha``),
+            ``"halving"`` (keep the best ``1/reduction_factor`` of the challengers), ``"median"``
+            or ``"none"``. The incumbent is never pruned.
+        alpha: the confidence pruner's one-sided error level per decision.
+        reduction_factor: successive halving's eta.
+        minibatch_size: valset examples in the first rung (at least ``max(20, 25% of the valset)``);
+            later rungs grow 1.5x (``confidence``) or 2x.
+        parallel: candidates raced at once (default: all planned ones for ``"random"``, 4 for
+            ``"tpe"``; extras go 4 at a time).
+        finalists: how many fully scored candidates to re-score against the winner's curse (0: off).
         instructions: extra candidate instructions per predictor name (``"*"``: every predictor).
         proposer_lm: an LM that writes ``n_proposals`` more instructions per predictor.
         temperatures: temperatures to try per node (the current one is always a candidate).
@@ -101,23 +119,27 @@ class RandomSearch(Stage):
         >>> from flowopt.optimizers.search import RandomSearch
         >>> RandomSearch(n_candidates=8, sampler="tpe").settings()["sampler"]
         'tpe'
-        >>> RandomSearch(n_candidates=11, seeded=8).seeded_count()  # BFRS with 8 candidate programs
+        >>> RandomSearch(n_candidates=11).seeded_count()  # BFRS with 8 candidate programs
         8
     """
 
     name: ClassVar[str] = "search"
     n_candidates: int = 16
     seeded: int | None = None
+    extra: int | None = None
+    max_extra: int = 32
     max_demos: int = 4
-    search_k: bool = False
+    search_k: bool = True
     pool_size: int = 16
     max_labeled_demos: int = 16
     metric_threshold: float | None = None
     sampler: str = "random"
-    pruner: str = "halving"
+    pruner: str = "confidence"
+    alpha: float = 0.05
     reduction_factor: int = 3
     minibatch_size: int | None = None
     parallel: int | None = None
+    finalists: int = 3
     instructions: Mapping[str, Sequence[str]] | None = None
     proposer_lm: Any = None
     n_proposals: int = 3
@@ -132,7 +154,7 @@ class RandomSearch(Stage):
 
     def __post_init__(self) -> None:
         for name, minimum in (("n_candidates", 1), ("max_demos", 0), ("pool_size", 0), ("max_labeled_demos", 0),
-                              ("n_proposals", 0)):
+                              ("n_proposals", 0), ("max_extra", 0), ("finalists", 0)):
             _check_int(name, getattr(self, name), minimum)
         _check_int("reduction_factor", self.reduction_factor, 2)
         _check_int("heartbeat_s", self.heartbeat_s, 1)
@@ -141,15 +163,18 @@ class RandomSearch(Stage):
                 or self.wait_timeout_s <= 0:
             raise ConfigError(f"RandomSearch wait_timeout_s must be seconds > 0, got {self.wait_timeout_s!r}",
                               fix="pass wait_timeout_s=900")
-        for name in ("seeded", "minibatch_size", "parallel", "study_max_lm_calls"):
+        for name in ("seeded", "extra", "minibatch_size", "parallel", "study_max_lm_calls"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 0 if name == "seeded" else 1, none_ok=True)
+                _check_int(name, getattr(self, name), 0 if name in ("seeded", "extra") else 1, none_ok=True)
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not 0 < self.alpha < 0.5:
+            raise ConfigError(f"RandomSearch alpha must be a number in (0, 0.5), got {self.alpha!r}",
+                              fix="pass alpha=0.05")
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"RandomSearch sampler must be one of {SAMPLERS}, got {self.sampler!r}",
                               fix='pass sampler="random" or sampler="tpe"')
         if self.pruner not in PRUNERS:
             raise ConfigError(f"RandomSearch pruner must be one of {PRUNERS}, got {self.pruner!r}",
-                              fix='pass pruner="halving", "median" or "none"')
+                              fix='pass pruner="confidence", "halving", "median" or "none"')
         for t in self.temperatures:
             if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 2:
                 raise ConfigError(f"RandomSearch temperatures must be numbers in [0, 2], got {t!r}",
@@ -169,7 +194,17 @@ class RandomSearch(Stage):
     def seeded_count(self) -> int:
         """How many shuffled-bootstrap candidates this search tries."""
         left = max(0, self.n_candidates - 3)
-        return min(left, self.seeded if self.seeded is not None else (left + 1) // 2)
+        return min(left, self.seeded if self.seeded is not None else left)
+
+    def may_sample(self) -> bool:
+        """Whether any candidate may be sampled (so the space needs a demo pool)."""
+        return self.n_candidates > 3 + self.seeded_count() or self.extra != 0
+
+    def rung_ends(self, n: int) -> list[int]:
+        """Where the rungs end on a valset of ``n`` examples (cumulative counts; the last is ``n``)."""
+        if self.pruner == "none":
+            return [n]
+        return rungs(n, first_rung(n, self.minibatch_size), 1.5 if self.pruner == "confidence" else 2.0)
 
     # ------------------------------------------------------------------ run
     def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
@@ -184,17 +219,29 @@ class RandomSearch(Stage):
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         with ThreadPoolExecutor(max_workers=max(1, ctx.num_threads), thread_name_prefix="flowopt-search") as lm_pool:
             space = SearchSpace.build(self, program, ctx, lm_pool)
-        study, shared = open_study(self.storage, self.study_name, self._pruner(), ctx.run_dir, ctx.resume)
+        study, shared = open_study(self.storage, self.study_name, optuna.pruners.NopPruner(), ctx.run_dir,
+                                   ctx.resume)
         order = list(ctx.valset)
-        ctx.rng.shuffle(order)  # one fixed order: minibatch scores of candidates are comparable
-        first = self.minibatch_size or max(ctx.num_threads, math.ceil(len(order) / 8))
-        ends = rungs(len(order), first if self.pruner != "none" else len(order))
-        width = self.parallel or (self.n_candidates if self.sampler == "random" else 4)
-        stop_reason = "done"
-        bar = ctx.progress(total=self.n_candidates, desc=f"{ctx.stage_name}: candidates",
-                           initial=min(self.n_candidates, finished_count(study)))
+        ctx.rng.shuffle(order)  # one fixed order: the candidates' scores are paired example by example
+        n = len(order)
+        ends = self.rung_ends(n)
+        planned = self.n_candidates
+        width = self.parallel or (planned if self.sampler == "random" else 4)
+        stop_reason, extras = "done", 0
+        bar = ctx.progress(total=planned, desc=f"{ctx.stage_name}: candidates",
+                           initial=min(planned, finished_count(study)))
         try:
-            while wave := next_wave(study, self.n_candidates, width, skip_running=shared):
+            while wave := next_wave(study, planned, width, skip_running=shared):
+                ctx.budget.check()
+                asked = [self._ask(study, space, program, ctx, number, previous) for number, previous in wave]
+                self._race(study, asked, order, ends, ctx)
+                bar.update(len(asked))
+            extra_width = self.parallel or 4
+            while (count := self._extras_affordable(study, planned, n, extras, extra_width, ctx)) > 0:
+                wave = next_wave(study, planned + extras + count, count, skip_running=shared, start=planned + extras)
+                extras += count
+                if not wave:
+                    continue
                 ctx.budget.check()
                 asked = [self._ask(study, space, program, ctx, number, previous) for number, previous in wave]
                 self._race(study, asked, order, ends, ctx)
@@ -205,12 +252,28 @@ class RandomSearch(Stage):
             bar.close()
         if space.pool_exhausted_by:
             stop_reason = f"budget: {space.pool_exhausted_by}"
-        return self._best(study, space, program, ctx, stop_reason)
+        return self._best(study, space, program, ctx, stop_reason, ends, n)
+
+    def _extras_affordable(self, study: Any, planned: int, n_val: int, done: int, width: int,
+                           ctx: StageContext) -> int:
+        """How many extra candidates to try next (0: stop)."""
+        if self.extra is not None:
+            return min(width, self.extra - done)
+        if done >= self.max_extra:
+            return 0
+        trials = [t for t in study.get_trials(deepcopy=False) if SCORES in t.user_attrs]
+        spent = sum(len(t.user_attrs[SCORES]) for t in trials)
+        per_candidate = spent / max(1, len(trials))  # what a candidate cost, on average, so far
+        remaining = ctx.budget.remaining_calls()
+        # Under a call budget keep one valset's worth of calls for the finalists and the final check;
+        # without one the allowance is what scoring every planned candidate fully would cost.
+        room = remaining - n_val if remaining is not None else planned * n_val - spent
+        return max(0, min(width, self.max_extra - done, int(room // max(1.0, per_candidate))))
 
     def _ask(self, study: Any, space: SearchSpace, program: dspy.Module, ctx: StageContext, number: int,
              previous: Any) -> tuple[Any, dspy.Module]:
         if previous is not None:  # rerun a candidate cut short by a kill with the parameters it had
-            attrs = {k: v for k, v in previous.user_attrs.items() if k != INTERRUPTED}
+            attrs = {k: v for k, v in previous.user_attrs.items() if k not in (INTERRUPTED, SCORES)}
             study.enqueue_trial(dict(previous.params), user_attrs=attrs)
         elif number < len(space.seeded):
             kind, demos = space.seeded[number]
@@ -223,62 +286,118 @@ class RandomSearch(Stage):
             trial.set_user_attr("kind", "sampled")
         return trial, space.apply(program, trial)
 
-    def _race(self, study: Any, asked: list[tuple[Any, dspy.Module]], order: list[Any], rungs: list[int],
+    def _race(self, study: Any, asked: list[tuple[Any, dspy.Module]], order: list[Any], ends: list[int],
               ctx: StageContext) -> None:
-        """Score a wave of candidates together, minibatch by minibatch, pruning the trailing ones."""
+        """Score a wave of candidates together, rung by rung, pruning the ones shown to trail."""
         from optuna.trial import TrialState
 
         alive = list(asked)
         scores: dict[int, list[float]] = {t.number: [] for t, _ in alive}
+        others = _earlier_scores(study, exclude=set(scores))
+        incumbent = next((t.number for t in study.get_trials(deepcopy=False)
+                          if t.user_attrs.get("kind") == "incumbent"), None)
         prev = 0
         try:
-            for cum in rungs:
+            for cum in ends:
                 ctx.budget.check()
                 results = ctx.evaluate_many([(c, order[prev:cum]) for _, c in alive],
                                             desc=f"{len(alive)} candidates, {cum}/{len(order)}")
                 for (trial, _), result in zip(alive, results):
                     scores[trial.number].extend(result.scores)
-                    if cum < len(order):
-                        trial.report(_mean(scores[trial.number]), step=cum)
+                    trial.report(_mean(scores[trial.number]), step=cum)
                 prev = cum
                 if cum < len(order):
-                    # All candidates report before any is judged, so the verdicts don't depend on order.
-                    verdicts = [t.user_attrs.get("kind") != "incumbent" and t.should_prune() for t, _ in alive]
-                    for (trial, _), prune in zip(alive, verdicts):
-                        if prune:
+                    # Every candidate is scored on the rung before any is judged: verdicts don't depend on order.
+                    live = {t.number: scores[t.number] for t, _ in alive}
+                    pruned = to_prune(self.pruner, live, others, cum, incumbent,
+                                      reduction_factor=self.reduction_factor, alpha=self.alpha)
+                    for trial, _ in alive:
+                        if trial.number in pruned:
+                            trial.set_user_attr(SCORES, scores[trial.number])
                             study.tell(trial, state=TrialState.PRUNED)
-                    alive = [a for a, prune in zip(alive, verdicts) if not prune]
+                    alive = [a for a in alive if a[0].number not in pruned]
             for trial, _ in alive:
+                trial.set_user_attr(SCORES, scores[trial.number])
                 study.tell(trial, _mean(scores[trial.number]))
         except BudgetExhausted:
             stop_running(study, [trial for trial, _ in alive], "budget")
             raise
 
+    def _finalists(self, complete: list[Any], space: SearchSpace, program: dspy.Module,
+                   ctx: StageContext) -> list[dict[str, Any]]:
+        """Re-score the fully scored candidates the valset cannot tell from the leader on training
+        examples that are demos of none of them; pick by valset + fresh mean."""
+        ranked = sorted(complete, key=lambda t: (-t.value, t.user_attrs.get("candidate", t.number)))
+        leader = ranked[0].user_attrs[SCORES]
+        close = [t for t in ranked[: max(1, self.finalists)]
+                 if t is ranked[0] or not worse_than(t.user_attrs[SCORES], leader, self.alpha)]
+        programs = [space.apply(program, t) for t in close]
+        shown = [d for p in programs for _, pred in p.named_predictors() for d in pred.demos]
+        fresh = [e for e in ctx.trainset if not _is_shown(e, shown)][: len(ctx.valset)]
+        fresh_scores: list[list[float]] = [[] for _ in close]
+        if len(close) > 1 and fresh:
+            try:
+                fresh_scores = [r.scores for r in ctx.evaluate_many([(p, fresh) for p in programs],
+                                                                   desc=f"{len(close)} finalists, fresh examples")]
+            except BudgetExhausted:
+                fresh_scores = [[] for _ in close]
+        rows = []
+        for trial, extra in zip(close, fresh_scores):
+            val = trial.user_attrs[SCORES]
+            rows.append({"candidate": trial.user_attrs.get("candidate", trial.number),
+                         "kind": trial.user_attrs.get("kind"), "val": round(_mean(val), 6),
+                         "fresh": round(_mean(extra), 6) if extra else None, "fresh_n": len(extra),
+                         "combined": round(_mean([*val, *extra]), 6), "trial": trial})
+        return rows
+
     def _best(self, study: Any, space: SearchSpace, program: dspy.Module, ctx: StageContext,
-              stop_reason: str) -> dspy.Module:
+              stop_reason: str, ends: list[int], n_val: int) -> dspy.Module:
         from optuna.trial import TrialState
 
         trials = study.get_trials(deepcopy=False)
-        complete = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
-        pruned = sum(1 for t in trials if t.state == TrialState.PRUNED)
-        ctx.record(candidates_tried=len(complete) + pruned, pruned=pruned, stop_reason=stop_reason,
-                   seeded=sum(1 for t in complete + [t for t in trials if t.state == TrialState.PRUNED]
+        complete = [t for t in trials if t.state == TrialState.COMPLETE and SCORES in t.user_attrs
+                    and len(t.user_attrs[SCORES]) == n_val]
+        pruned = [t for t in trials if t.state == TrialState.PRUNED]
+        by_rung = {str(end): sum(1 for t in pruned if len(t.user_attrs.get(SCORES, ())) == end) for end in ends[:-1]}
+        ctx.record(candidates_tried=len(complete) + len(pruned), pruned=len(pruned), pruned_by_rung=by_rung,
+                   fully_scored=len(complete), rungs=ends, pruner=self.pruner, stop_reason=stop_reason,
+                   extra=sum(1 for t in complete + pruned if t.user_attrs.get("candidate", 0) >= self.n_candidates),
+                   seeded=sum(1 for t in complete + pruned
                               if t.user_attrs.get("kind") not in (None, "sampled", "incumbent")),
                    pool_demos={n: len(p) for n, p in space.pools.items()},
                    instruction_candidates={n: len(c) for n, c in space.instructions.items()})
         if not complete:
             return program
-        best = max(complete, key=lambda t: (t.value, -t.user_attrs.get("candidate", t.number)))
+        rows = self._finalists(complete, space, program, ctx) if self.finalists else []
+        if rows:
+            best_row = max(rows, key=lambda r: (r["combined"], -r["candidate"]))
+            best = best_row["trial"]
+        else:
+            best = max(complete, key=lambda t: (t.value, -t.user_attrs.get("candidate", t.number)))
+        ranked = sorted(complete, key=lambda t: -t.value)
+        runner_up = next((t for t in ranked if t is not best), None)
+        why = (f"best valset mean {best.value:.3f} over {n_val} examples among {len(complete)} fully scored"
+               + (f" (runner-up {runner_up.value:.3f})" if runner_up is not None else ""))
+        if len(rows) > 1:
+            fresh_n = rows[0]["fresh_n"]
+            why = (f"best mean over the valset + {fresh_n} fresh training examples among {len(rows)} finalists "
+                   f"the valset could not tell apart")
         ctx.record(best_candidate=best.user_attrs.get("candidate", best.number), best_kind=best.user_attrs.get("kind"),
-                   best_value=round(best.value, 6))
+                   best_value=round(best.value, 6), why=why,
+                   finalists=[{k: v for k, v in r.items() if k != "trial"} for r in rows])
         return space.apply(program, best)
 
-    def _pruner(self) -> Any:
-        import optuna
 
-        if self.pruner == "none":
-            return optuna.pruners.NopPruner()
-        return rung_pruner(self.pruner, self.reduction_factor)
+def _earlier_scores(study: Any, exclude: set[int]) -> dict[int, list[float]]:
+    """Per-example scores of finished (complete or pruned) trials of earlier waves."""
+    return {t.number: list(t.user_attrs[SCORES]) for t in study.get_trials(deepcopy=False)
+            if SCORES in t.user_attrs and t.number not in exclude}
+
+
+def _is_shown(example: Any, demos: list[Any]) -> bool:
+    """Is ``example`` (its input fields) one of the ``demos``?"""
+    inputs = example.inputs().toDict()
+    return any(all(demo.get(k) == v for k, v in inputs.items()) for demo in demos)
 
 
 def _check_int(name: str, value: Any, minimum: int, none_ok: bool = False) -> None:
@@ -287,5 +406,5 @@ def _check_int(name: str, value: Any, minimum: int, none_ok: bool = False) -> No
                           f"got {value!r}", fix=f"pass {name}={max(minimum, 4)}")
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / max(1, len(values))
+def _mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else 0.0

@@ -105,8 +105,9 @@ def finished_count(study: Any) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False) if t.state in (TrialState.COMPLETE, TrialState.PRUNED))
 
 
-def next_wave(study: Any, n: int, width: int, *, skip_running: bool) -> list[tuple[int, Any]]:
-    """The candidates of the first wave (numbers ``[k*width, (k+1)*width)``) with unfinished members,
+def next_wave(study: Any, n: int, width: int, *, skip_running: bool, start: int = 0) -> list[tuple[int, Any]]:
+    """The candidates of the first wave (numbers ``[start + k*width, start + (k+1)*width)`` below ``n``)
+    with unfinished members,
     each with the latest trial a kill or budget stop cut short (or ``None``). A shared study skips
     candidates that another worker is running."""
     from optuna.trial import TrialState
@@ -122,8 +123,8 @@ def next_wave(study: Any, n: int, width: int, *, skip_running: bool) -> list[tup
             running.add(number)
         elif t.state == TrialState.FAIL:
             cut[number] = t
-    for start in range(0, n, max(1, width)):
-        members = [k for k in range(start, min(n, start + width))
+    for first in range(start, n, max(1, width)):
+        members = [k for k in range(first, min(n, first + width))
                    if k not in finished and not (skip_running and k in running)]
         if members:
             return [(k, cut.get(k)) for k in members]

@@ -19,11 +19,12 @@ from flowopt.optimizers.search import RandomSearch
 from flowopt.testing import scripted_lm
 
 TRAIN, VAL = examples(15, categories=True), examples(12, 100, categories=True)
+BIG_VAL = examples(60, 200, categories=True)  # pruning needs a first rung of >= 20 examples
 
 
-def _search(lm, stage, program=None, **kwargs):
+def _search(lm, stage, program=None, valset=VAL, **kwargs):
     with dspy.context(lm=lm):
-        return flowopt.compile(program or dspy.Predict("question -> answer"), TRAIN, exact, valset=VAL,
+        return flowopt.compile(program or dspy.Predict("question -> answer"), TRAIN, exact, valset=valset,
                                stages=[stage], quiet=True, num_threads=4, **kwargs)
 
 
@@ -79,20 +80,27 @@ def test_temperature_and_ensemble_n_are_searched_on_a_workflow():
 
 
 def test_tpe_sampler_runs_in_waves_and_is_deterministic():
-    stage = RandomSearch(n_candidates=8, seeded=1, max_demos=2, pool_size=4, sampler="tpe", parallel=2)
+    stage = RandomSearch(n_candidates=8, seeded=1, max_demos=2, pool_size=4, sampler="tpe", parallel=2, extra=0)
     a = _search(category_lm(), stage)
     b = _search(category_lm(), stage)
     assert [d.toDict() for d in a.demos] == [d.toDict() for d in b.demos]
     assert a.report.stage("search").candidates_tried == 8
 
 
-def test_halving_prunes_trailing_candidates_and_saves_calls():
+@pytest.mark.parametrize("pruner", ["halving", "confidence"])
+def test_pruning_stops_trailing_candidates_and_saves_calls(pruner):
     pruned = category_lm(cache=False)
     full = category_lm(cache=False)
-    a = _search(pruned, RandomSearch(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3, minibatch_size=3))
-    b = _search(full, RandomSearch(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3, pruner="none"))
-    assert a.report.stage("search").info["pruned"] >= 3 and b.report.stage("search").info["pruned"] == 0
-    assert pruned.engine.calls < full.engine.calls
+    a = _search(pruned, RandomSearch(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3, pruner=pruner,
+                                     extra=0), valset=BIG_VAL)
+    b = _search(full, RandomSearch(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3, pruner="none",
+                                   extra=0), valset=BIG_VAL)
+    # Halving keeps a third of the challengers; the confidence rule prunes only the 0-scoring zero-shot
+    # candidate: the others tie at 2/3 and a tie never prunes.
+    assert a.report.stage("search").info["pruned"] >= (3 if pruner == "halving" else 1)
+    assert b.report.stage("search").info["pruned"] == 0
+    # (the zero-shot candidate is the incumbent's program again: memoised, so pruning it saves nothing)
+    assert pruned.engine.calls < full.engine.calls if pruner == "halving" else pruned.engine.calls <= full.engine.calls
     assert a.report.best_score > a.report.baseline_score and b.report.best_score > b.report.baseline_score
 
 
