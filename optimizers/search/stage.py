@@ -26,11 +26,12 @@ fully scored candidates that the valset cannot tell from the leader) are re-scor
 examples that are demos of none of them, and the winner is the best on valset + those examples;
 the report gives both scores for each finalist.
 
-Storage and resume: with a ``run_dir`` the study is an sqlite file, ``run_dir/search.db``; a killed
-search resumes from it (candidates are numbered, sampled from a sampler seeded by (seed, number),
-and a wave cut short is rerun with the parameters it had). ``storage="journal"`` uses optuna's
-journal file instead. Any other optuna RDB URL (``postgresql://...``; ``sqlite:///...`` works the
-same) is a shared study that several processes work on at once.
+Storage and resume: with a ``run_dir`` the study is an sqlite file, ``search.db`` in the stage's folder
+(``run_dir/stages/NN-search/``), used by one process at a time; a killed search resumes from it
+(candidates are numbered, sampled from a sampler seeded by (seed, number), and a wave cut short is
+rerun with the parameters it had). ``storage="journal"`` uses optuna's journal file instead. Any
+other optuna RDB URL (``postgresql+psycopg://...``) is a study shared by several processes or
+machines: see :mod:`~flowopt.optimizers.search.shared`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ import dspy
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.optimizers.search.pruning import PRUNE_RULES, first_rung, rungs, to_prune, worse_than
+from flowopt.optimizers.search.shared import run_shared
+from flowopt.optimizers.search.shared_storage import exclusive_run_dir, is_shared
 from flowopt.optimizers.search.space import SearchSpace
 from flowopt.optimizers.search.study import (
     INTERRUPTED,
@@ -105,6 +108,12 @@ class RandomSearch(Stage):
         storage: ``None`` (sqlite file ``run_dir/search.db``; in memory without a run_dir),
             ``"journal"`` (optuna journal file in run_dir) or an optuna RDB URL shared by workers.
         study_name: the study's name in ``storage``.
+        study_max_lm_calls: a shared study's LM-call budget, counted over all workers (each worker's
+            own ``Budget`` still applies to it).
+        heartbeat_s, stale_after_s: a shared study's worker records a heartbeat for its trials every
+            ``heartbeat_s``; a trial without one for ``stale_after_s`` is failed and its candidate requeued.
+        wait_timeout_s: how long a worker of a shared study waits without progress (for the plan, or
+            for other workers' trials) before it stops with an error.
 
     Example:
         >>> from flowopt.optimizers.search import RandomSearch
@@ -138,13 +147,23 @@ class RandomSearch(Stage):
     ensemble_n: Sequence[int] = ()
     storage: str | None = None
     study_name: str = STUDY_NAME
+    study_max_lm_calls: int | None = None
+    heartbeat_s: int = 10
+    stale_after_s: int = 60
+    wait_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
         for name, minimum in (("n_candidates", 1), ("max_demos", 0), ("pool_size", 0), ("max_labeled_demos", 0),
                               ("n_proposals", 0), ("max_extra", 0), ("finalists", 0)):
             _check_int(name, getattr(self, name), minimum)
         _check_int("reduction_factor", self.reduction_factor, 2)
-        for name in ("seeded", "extra", "minibatch_size", "parallel"):
+        _check_int("heartbeat_s", self.heartbeat_s, 1)
+        _check_int("stale_after_s", self.stale_after_s, 2 * self.heartbeat_s)
+        if isinstance(self.wait_timeout_s, bool) or not isinstance(self.wait_timeout_s, int | float) \
+                or self.wait_timeout_s <= 0:
+            raise ConfigError(f"RandomSearch wait_timeout_s must be seconds > 0, got {self.wait_timeout_s!r}",
+                              fix="pass wait_timeout_s=900")
+        for name in ("seeded", "extra", "minibatch_size", "parallel", "study_max_lm_calls"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0 if name in ("seeded", "extra") else 1, none_ok=True)
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not 0 < self.alpha < 0.5:
@@ -181,8 +200,20 @@ class RandomSearch(Stage):
         """Whether any candidate may be sampled (so the space needs a demo pool)."""
         return self.n_candidates > 3 + self.seeded_count() or self.extra != 0
 
+    def rung_ends(self, n: int) -> list[int]:
+        """Where the rungs end on a valset of ``n`` examples (cumulative counts; the last is ``n``)."""
+        if self.pruner == "none":
+            return [n]
+        return rungs(n, first_rung(n, self.minibatch_size), 1.25 if self.pruner == "confidence" else 2.0)
+
     # ------------------------------------------------------------------ run
     def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
+        if is_shared(self.storage):
+            return run_shared(self, program, ctx)
+        with exclusive_run_dir(ctx.run_dir):
+            return self._run_alone(program, ctx)
+
+    def _run_alone(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -193,8 +224,7 @@ class RandomSearch(Stage):
         order = list(ctx.valset)
         ctx.rng.shuffle(order)  # one fixed order: the candidates' scores are paired example by example
         n = len(order)
-        ends = [n] if self.pruner == "none" else rungs(n, first_rung(n, self.minibatch_size),
-                                                       1.25 if self.pruner == "confidence" else 2.0)
+        ends = self.rung_ends(n)
         planned = self.n_candidates
         width = self.parallel or (planned if self.sampler == "random" else 4)
         stop_reason, extras = "done", 0

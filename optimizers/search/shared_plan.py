@@ -1,0 +1,91 @@
+"""The plan of a shared search: every candidate as a full definition (demos, instruction text and
+settings per predictor and node), so the study, not each worker's own search space, says what a
+candidate is.
+
+Example:
+    >>> import dspy
+    >>> from flowopt.optimizers.search.shared_plan import apply_definition, definition_of
+    >>> program = dspy.Predict("question -> answer")
+    >>> definition = definition_of(program)
+    >>> definition["predictors"]["self"]["demos"]
+    []
+    >>> definition_of(apply_definition(program, definition)) == definition
+    True
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import dspy
+
+from flowopt.compiler import StageContext, clone_program
+from flowopt.errors import ConfigError
+from flowopt.optimizers.search.space import SearchSpace
+
+if TYPE_CHECKING:
+    from flowopt.optimizers.search.stage import RandomSearch
+
+
+def definition_of(program: dspy.Module) -> dict[str, Any]:
+    """What makes this candidate: per predictor its demos, instruction text and temperature; per
+    workflow node its temperature and ensemble size (JSON-able)."""
+    predictors: dict[str, dict[str, Any]] = {}
+    for name, predictor in program.named_predictors():
+        entry: dict[str, Any] = {
+            "demos": [d.toDict() if hasattr(d, "toDict") else dict(d) for d in predictor.demos],
+            "instructions": predictor.signature.instructions,
+        }
+        if "temperature" in predictor.config:
+            entry["temperature"] = predictor.config["temperature"]
+        predictors[name] = entry
+    nodes: dict[str, dict[str, Any]] = {}
+    for node_id, op in (getattr(program, "nodes", None) or {}).items():
+        settings = {key: getattr(op, key) for key in ("temperature", "n") if hasattr(op, key)}
+        if settings:
+            nodes[node_id] = settings
+    return {"predictors": predictors, "nodes": nodes}
+
+
+def apply_definition(program: dspy.Module, definition: dict[str, Any]) -> dspy.Module:
+    """A copy of ``program`` set up as ``definition`` says."""
+    candidate = clone_program(program)
+    named = dict(candidate.named_predictors())
+    nodes = getattr(candidate, "nodes", None) or {}
+    if set(named) != set(definition["predictors"]) or not set(definition["nodes"]) <= set(nodes):
+        raise ConfigError(f"the shared study was planned for a program with predictors "
+                          f"{sorted(definition['predictors'])}; this worker's program has {sorted(named)}",
+                          fix="run every worker with the same program and stages, or pass a new study_name")
+    for node_id, settings in definition["nodes"].items():
+        for key, value in settings.items():
+            setattr(nodes[node_id], key, value)
+    for name, entry in definition["predictors"].items():
+        predictor = named[name]
+        predictor.demos = [dspy.Example(**d) for d in entry["demos"]]
+        if predictor.signature.instructions != entry["instructions"]:
+            predictor.signature = predictor.signature.with_instructions(entry["instructions"])
+        if "temperature" in entry:
+            predictor.config["temperature"] = entry["temperature"]
+        else:
+            predictor.config.pop("temperature", None)
+    return candidate
+
+
+def plan_candidates(stage: RandomSearch, program: dspy.Module,
+                    ctx: StageContext) -> tuple[list[tuple[str, dict[str, Any]]], SearchSpace]:
+    """Every candidate of the search as ``(kind, definition)``, in candidate order, with the space.
+
+    They are the very candidates a one-process search asks: seeded ones as they are, sampled ones
+    drawn from the sampler seeded by (seed, number) in a throwaway in-memory study.
+    """
+    import optuna
+
+    with ThreadPoolExecutor(max_workers=max(1, ctx.num_threads), thread_name_prefix="flowopt-plan") as lm_pool:
+        space = SearchSpace.build(stage, program, ctx, lm_pool)
+    scratch = optuna.create_study(direction="maximize")
+    planned = []
+    for number in range(stage.n_candidates + (stage.extra or 0)):
+        trial, candidate = stage._ask(scratch, space, program, ctx, number, None)
+        planned.append((str(trial.user_attrs["kind"]), definition_of(candidate)))
+    return planned, space

@@ -1,0 +1,188 @@
+"""A search shared by workers on a real PostgreSQL server: atomic claims, lost work recovered, one answer.
+
+Needs PostgreSQL's initdb/pg_ctl and psycopg (see ``postgres.py``): skipped without them, a failure
+under ``CI=true``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+sys.path.insert(0, str(Path(__file__).parent))
+import postgres
+from shared_worker import TRAIN, VAL, compile_once
+
+from flowopt import ConfigError, FlowoptError
+from flowopt.optimizers.search.shared import SharedWorker
+from flowopt.optimizers.search.shared_plan import definition_of
+from flowopt.optimizers.search.shared_storage import open_rdb_storage
+
+postgres_cluster, postgres_url = postgres.postgres_cluster, postgres.postgres_url  # the fixtures
+WORKER = Path(__file__).parent / "shared_worker.py"
+# 12 candidates, scored on all 8 valset examples each (no pruning: verdicts would depend on timing).
+SETTINGS = {"n_candidates": 12, "seeded": 1, "max_demos": 2, "max_labeled_demos": 2, "pool_size": 2,
+            "pruner": "none", "heartbeat_s": 1, "stale_after_s": 4, "wait_timeout_s": 60}
+
+
+def _start(url: str, study: str, out: Path, latency: float, **settings) -> subprocess.Popen:
+    spec = {"url": url, "study": study, "out": str(out), "latency": latency, "settings": {**SETTINGS, **settings}}
+    return subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _trials(url: str, study: str) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name=study, storage=url).get_trials(deepcopy=False)
+
+
+def _states(url: str, study: str) -> str:
+    return "; ".join(f"#{t.number} c{t.user_attrs.get('candidate')} {t.state.name} {t.user_attrs.get('worker')}"
+                     for t in _trials(url, study))
+
+
+def test_three_workers_one_killed_finish_every_candidate_once_and_agree(postgres_url, tmp_path):
+    reference = compile_once({**SETTINGS}, latency=0.0)  # one process, in-memory study, same seed
+    outs = [tmp_path / f"w{i}.json" for i in range(3)]
+    workers = [_start(postgres_url, "qa", out, latency=0.25) for out in outs]  # a candidate: ~0.5 s
+    victim = None
+    deadline = time.monotonic() + 90
+    try:
+        while victim is None and time.monotonic() < deadline:  # kill a worker that just claimed a candidate
+            time.sleep(0.05)
+            try:
+                trials = _trials(postgres_url, "qa")
+            except KeyError:  # the study is not created yet
+                continue
+            if not any(t.state == TrialState.COMPLETE for t in trials):
+                continue
+            for t in trials:
+                pid = t.user_attrs.get("worker", "::").split(":")[1]
+                if t.state == TrialState.RUNNING and datetime.now() - t.datetime_start < timedelta(seconds=0.25):
+                    victim = next((w for w in workers if str(w.pid) == pid), None)
+                    if victim is not None:
+                        break
+        assert victim is not None, f"no worker ever held a candidate: {_states(postgres_url, 'qa')}"
+        victim.send_signal(signal.SIGKILL)
+        for w in workers:
+            output = w.communicate(timeout=120)[0]
+            assert w is victim or w.returncode == 0, output[-3000:]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    trials = _trials(postgres_url, "qa")
+    finished = Counter(t.user_attrs["candidate"] for t in trials if t.state == TrialState.COMPLETE)
+    assert finished == Counter(range(12)), _states(postgres_url, "qa")  # none lost, none scored twice
+    assert any(t.state == TrialState.FAIL for t in trials)  # the killed worker's candidate...
+    assert any("retry_of" in t.user_attrs and t.state == TrialState.COMPLETE for t in trials)  # ...finished by another
+    results = [json.loads(out.read_text()) for w, out in zip(workers, outs) if w is not victim]
+    assert len(results) == 2
+    for result in results:
+        assert result["definition"] == definition_of(reference)
+        assert result["best_score"] == reference.report.best_score
+        assert result["candidates_tried"] == 12 and result["info"]["scored_twice"] == 0
+    assert sum(r["info"]["scored_here"] for r in results) < 12  # the victim scored some before it died
+
+
+def test_a_stale_trial_is_failed_and_its_candidate_requeued_once(postgres_url):
+    import dspy
+
+    from flowopt.compiler import BudgetTracker, StageContext
+    from flowopt.optimizers.search import RandomSearch
+
+    stage = RandomSearch(storage=postgres_url, study_name="stale", heartbeat_s=1, stale_after_s=2)
+    ctx = StageContext(trainset=[], valset=[], metric=lambda *a: 1.0, budget=BudgetTracker(), seed=0,
+                       rng=__import__("random").Random(0))
+    dead, alive = SharedWorker(stage, ctx), SharedWorker(stage, ctx)
+    definition = definition_of(dspy.Predict("question -> answer"))
+    dead.study.enqueue_trial({}, user_attrs={"candidate": 0, "kind": "incumbent", "definition": definition})
+    assert dead._claim(dead.study, 0) is not None  # claimed, then no heartbeat ever again
+    assert alive._claim(alive.study, 0) is None  # a claimed candidate cannot be claimed again
+    assert [t.state for t in alive.requeue_lost()] == [TrialState.RUNNING]  # not stale yet
+    time.sleep(3.5)
+    trials = alive.requeue_lost()
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.WAITING]
+    assert trials[1].user_attrs["retry_of"] == 0 and trials[1].user_attrs["definition"] == definition
+    assert len(dead.requeue_lost()) == 2  # the other worker finds it requeued already: no second copy
+
+
+def test_two_workers_on_an_empty_database_both_open_it(postgres_url):
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def open_one() -> None:
+        try:
+            barrier.wait()
+            open_rdb_storage(postgres_url, heartbeat_s=1, stale_after_s=2)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert optuna.get_all_study_names(postgres_url) == []
+
+
+def test_study_budget_is_shared_by_workers(postgres_url):
+    budgeted = {**SETTINGS, "storage": postgres_url, "study_name": "budget", "study_max_lm_calls": 40}
+    first = compile_once(budgeted, latency=0.0)
+    second = compile_once(budgeted, latency=0.0)  # another worker: the study's budget is spent
+    one, two = first.report.stage("search"), second.report.stage("search")
+    assert one.stop_reason == two.stop_reason == "budget: study_max_lm_calls"
+    # Planning (bootstraps, pool) plus 8 calls a candidate: it stops within one candidate of the limit.
+    assert 40 <= one.info["study_lm_calls"] < 40 + 8 and one.info["scored_here"] < 12
+    assert two.info["scored_here"] == 0 and two.info["study_lm_calls"] == one.info["study_lm_calls"]
+    assert definition_of(first) == definition_of(second)
+
+
+def test_a_worker_with_other_settings_is_refused(postgres_url):
+    compile_once({**SETTINGS, "n_candidates": 3, "storage": postgres_url, "study_name": "s"}, latency=0.0)
+    with pytest.raises(ConfigError, match=r"planned with other search settings \(n_candidates differ\)"):
+        compile_once({**SETTINGS, "n_candidates": 4, "storage": postgres_url, "study_name": "s"}, latency=0.0)
+
+
+def test_waiting_for_a_plan_that_never_comes_ends_in_a_clear_error(postgres_url):
+    optuna.create_study(storage=postgres_url, study_name="stuck:planner")  # a planner died before its first beat
+    with pytest.raises(FlowoptError, match="no plan after waiting 1 s"):
+        compile_once({**SETTINGS, "storage": postgres_url, "study_name": "stuck", "wait_timeout_s": 1}, latency=0.0)
+
+
+def test_tpe_cannot_be_shared():
+    with pytest.raises(ConfigError, match="plans every candidate up front"):
+        compile_once({**SETTINGS, "sampler": "tpe", "storage": "postgresql+psycopg://x@127.0.0.1:1/db"}, latency=0.0)
+
+
+def test_a_second_process_on_a_journal_run_dir_is_refused(tmp_path):
+    lock = tmp_path / "stages" / "00-search" / "search.lock"
+    lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, filelock; l = filelock.FileLock(sys.argv[1]); "
+                               "l.acquire(); print('held', flush=True); sys.stdin.read()", str(lock)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        import dspy
+
+        import flowopt
+        from flowopt.optimizers.search import RandomSearch
+
+        with pytest.raises(ConfigError, match="another process is running the search"):
+            flowopt.compile(dspy.Predict("question -> answer"), TRAIN, lambda *a: 1.0, valset=VAL, run_dir=tmp_path,
+                            stages=[RandomSearch(n_candidates=2, storage="journal")], quiet=True)
+    finally:
+        holder.communicate("", timeout=10)
+    assert not os.path.exists(tmp_path / "stages" / "00-search" / "search.journal")  # nothing touched
