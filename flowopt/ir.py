@@ -13,8 +13,8 @@ from typing import Any
 
 from flowopt.errors import SchemaError, WorkflowError
 from flowopt.lm_spec import lm_to_spec
-from flowopt.registry import get_operator
 from flowopt.operator import Operator
+from flowopt.registry import get_operator
 from flowopt.signature import FieldSpec, SignatureSpec
 from flowopt.workflow import INPUT, OUTPUT, Workflow
 
