@@ -31,6 +31,14 @@ def dumps(data: Any, *, indent: int | None = 2, sort_keys: bool = False) -> str:
                           fix="keep settings, demos and meta to plain JSON values") from err
 
 
+def canonical_dumps(data: Mapping[str, Any]) -> str:
+    """The canonical JSON of workflow IR data: sorted keys, nodes by id, edges by ends, no ``meta``."""
+    canonical = {k: v for k, v in data.items() if k != "meta"}
+    canonical["nodes"] = sorted(data.get("nodes", []), key=lambda n: str(n.get("id")))
+    canonical["edges"] = sorted(data.get("edges", []), key=lambda e: (str(e.get("src")), str(e.get("dst"))))
+    return dumps(canonical, indent=None, sort_keys=True)
+
+
 def loads(text: str) -> Any:
     try:
         return json.loads(text)

@@ -457,13 +457,12 @@ class Workflow(dspy.Module):
         """Structure, settings, instructions and demos with sorted keys, without ``meta``.
 
         Two workflows that behave the same under the same LMs have the same canonical JSON, so it is
-        the key for caching evaluations.
+        the key for caching evaluations: nodes and edges are sorted too, since the order they were
+        added in does not change what the graph computes.
         """
-        from flowopt.ir import dumps
+        from flowopt.ir import canonical_dumps
 
-        data = self.to_dict()
-        data.pop("meta", None)
-        return dumps(data, indent=None, sort_keys=True)
+        return canonical_dumps(self.to_dict())
 
     def draw(self, path: str | Path | None = None, *, fmt: str = "png") -> bytes:
         """Render the graph (node ids, ops, field maps) to PNG or SVG bytes; optionally save to ``path``."""
