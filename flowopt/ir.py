@@ -13,6 +13,7 @@ from typing import Any
 
 from flowopt.errors import SchemaError, WorkflowError
 from flowopt.lm_spec import lm_to_spec
+from flowopt.operator import Operator
 from flowopt.registry import get_operator
 from flowopt.signature import FieldSpec, SignatureSpec
 from flowopt.workflow import INPUT, OUTPUT, Workflow
@@ -28,6 +29,14 @@ def dumps(data: Any, *, indent: int | None = 2, sort_keys: bool = False) -> str:
     except (TypeError, ValueError) as err:
         raise SchemaError(f"the workflow holds a value JSON cannot store ({err})",
                           fix="keep settings, demos and meta to plain JSON values") from err
+
+
+def canonical_dumps(data: Mapping[str, Any]) -> str:
+    """The canonical JSON of workflow IR data: sorted keys, nodes by id, edges by ends, no ``meta``."""
+    canonical = {k: v for k, v in data.items() if k != "meta"}
+    canonical["nodes"] = sorted(data.get("nodes", []), key=lambda n: str(n.get("id")))
+    canonical["edges"] = sorted(data.get("edges", []), key=lambda e: (str(e.get("src")), str(e.get("dst"))))
+    return dumps(canonical, indent=None, sort_keys=True)
 
 
 def loads(text: str) -> Any:
@@ -90,44 +99,45 @@ def workflow_from_dict(data: Any) -> Workflow:
         raise SchemaError(f"unknown top-level keys {sorted(unknown)}", field=sorted(unknown)[0],
                           fix=f"use only {sorted(_TOP_KEYS)}")
     io = SignatureSpec("", _fields(data.get("inputs"), "inputs"), _fields(data.get("outputs"), "outputs"))
-    wf = Workflow(io, name=str(data.get("name", "workflow")))
-    wf.lms = {}
+    lms: dict[str, Any] = {}
     for name, spec in (data.get("lms") or {}).items():
         if not isinstance(spec, Mapping) or not isinstance(spec.get("model"), str):
             raise SchemaError("an LM entry needs a 'model' string", node=f"lms.{name}", field="model",
                               fix='write {"model": "openai/gpt-4o-mini"}')
-        wf.lms[name] = dict(spec)  # built lazily on first use
-    nodes = data.get("nodes")
-    if not isinstance(nodes, list):
+        lms[name] = dict(spec)  # built lazily on first use
+    raw_nodes = data.get("nodes")
+    if not isinstance(raw_nodes, list):
         raise SchemaError("'nodes' must be a list", field="nodes", fix="write \"nodes\": [...]")
-    for raw in nodes:
-        _add_node(wf, raw)
-    edges = data.get("edges")
-    if not isinstance(edges, list):
+    nodes: dict[str, Operator] = {}
+    node_lms: dict[str, str | None] = {}
+    for raw in raw_nodes:
+        node_id, op, lm = _node_from_dict(raw)
+        if node_id in nodes:
+            raise WorkflowError("duplicate node id", node=node_id, fix="give every node a distinct id")
+        nodes[node_id], node_lms[node_id] = op, lm
+    raw_edges = data.get("edges")
+    if not isinstance(raw_edges, list):
         raise SchemaError("'edges' must be a list", field="edges", fix="write \"edges\": [...]")
-    for raw in edges:
+    edges: list[tuple[str, str, dict[str, str]]] = []
+    for raw in raw_edges:
         if not isinstance(raw, Mapping) or not {"src", "dst", "map"} <= set(raw):
             raise SchemaError(f"an edge needs 'src', 'dst' and 'map', got {raw!r}", field="edges",
                               fix='write {"src": "$input", "dst": "solve", "map": {"question": "question"}}')
         src, dst, mapping = raw["src"], raw["dst"], raw["map"]
         for end in (src, dst):
-            if end not in wf.nodes and end not in (INPUT, OUTPUT):
+            if end not in nodes and end not in (INPUT, OUTPUT):
                 raise WorkflowError("an edge refers to a node that does not exist", node=str(end),
-                                    fix=f"declare it in 'nodes' or use one of {[INPUT, OUTPUT, *wf.nodes]}")
+                                    fix=f"declare it in 'nodes' or use one of {[INPUT, OUTPUT, *nodes]}")
         if not isinstance(mapping, Mapping) or not all(isinstance(v, str) for v in mapping.values()):
             raise SchemaError(f"edge {src} -> {dst}: 'map' must map field names to field names",
                               node=str(dst), fix='write "map": {"answer": "answer"}')
-        if wf.graph.has_edge(src, dst):
-            raise WorkflowError(f"edge {src} -> {dst} appears twice", node=str(dst),
-                                fix="merge the two maps into one edge")
-        wf.graph.add_edge(src, dst, map=dict(mapping))
-    wf._pinned_outputs = set(wf.io.output_names)  # a loaded graph keeps its wiring exactly
-    wf.weights = dict(data.get("weights") or {})
+        edges.append((src, dst, dict(mapping)))
     meta = dict(data.get("meta") or {})
     meta.pop("flowopt", None)
     meta.pop("dspy", None)
-    wf.meta = meta
-    wf.validate()
+    # from_graph keeps the loaded wiring exactly and validates the whole graph.
+    wf = Workflow.from_graph(io, nodes, edges, name=str(data.get("name", "workflow")), node_lms=node_lms,
+                             lms=lms, weights=dict(data.get("weights") or {}), meta=meta)
     for node_id, lm_name in wf.node_lms.items():
         if lm_name is not None and lm_name not in wf.lms:
             raise WorkflowError(f"node uses LM {lm_name!r}, which 'lms' does not define", node=node_id,
@@ -135,7 +145,7 @@ def workflow_from_dict(data: Any) -> Workflow:
     return wf
 
 
-def _add_node(wf: Workflow, raw: Any) -> None:
+def _node_from_dict(raw: Any) -> tuple[str, Operator, str | None]:
     if not isinstance(raw, Mapping) or not isinstance(raw.get("id"), str):
         raise SchemaError(f"a node needs an 'id' string, got {raw!r}", field="nodes",
                           fix='write {"id": "solve", "op": "Predict", "signature": {...}}')
@@ -159,14 +169,11 @@ def _add_node(wf: Workflow, raw: Any) -> None:
                             f"{declared.output_names}, not the saved {spec.input_names} -> {spec.output_names}",
                             node=node_id, field="signature", fix="re-export the workflow with flowopt")
     op.load_predictor_state(raw.get("predictors") or {}, node=node_id)
-    wf._check_new_node(node_id, op)
     lm = raw.get("lm")
     if lm is not None and not isinstance(lm, str):
         raise SchemaError("'lm' must be an LM name or null", node=node_id, field="lm",
                           fix='write "lm": "default" or "lm": null')
-    wf.nodes[node_id] = op
-    wf.node_lms[node_id] = lm
-    wf.graph.add_node(node_id)
+    return node_id, op, lm
 
 
 def load(path: str | Path, *, lms: Mapping[str, Any] | None = None) -> Workflow:

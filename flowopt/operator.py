@@ -8,7 +8,9 @@ calling the class with its settings and loading the predictor state: no code is 
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import dspy
@@ -39,6 +41,11 @@ class Operator(dspy.Module):
     """
 
     op_name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _remember_built_signatures(cls.__dict__["__init__"])  # type: ignore[method-assign]
 
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec,
                  instructions: str | None = None) -> None:
@@ -74,13 +81,21 @@ class Operator(dspy.Module):
     def predictor_state(self) -> dict[str, dict[str, Any]]:
         """Demos of every predictor, plus its signature state (instructions, field prefixes and
         descriptions) where an optimizer changed it from what the operator builds, as JSON data."""
-        fresh = dict(type(self).from_config(self.spec, self.config()).named_predictors())
+        # An operator whose predictors still hold the signatures it was built with matches a fresh build
+        # by construction; only one that an optimizer changed is compared with a fresh build (cached
+        # per class, spec and settings), so serialising does not rebuild operators.
+        built: dict[str, Any] = self.__dict__.get("_built_signatures", {})
+        predictors = self.named_predictors()
+        unchanged = bool(built) and all(built.get(name) is p.signature for name, p in predictors)
+        fresh = {} if unchanged else _fresh_signature_states(type(self), self.spec, json.dumps(self.config(),
+                                                                                              sort_keys=True))
         state: dict[str, dict[str, Any]] = {}
-        for name, predictor in self.named_predictors():
+        for name, predictor in predictors:
             entry: dict[str, Any] = {"demos": [_demo_to_json(d, name) for d in predictor.demos]}
-            signature = predictor.signature.dump_state()
-            if name not in fresh or fresh[name].signature.dump_state() != signature:
-                entry["signature"] = signature
+            if not unchanged:
+                signature = predictor.signature.dump_state()
+                if fresh.get(name) != signature:
+                    entry["signature"] = signature
             state[name] = entry
         return state
 
@@ -110,6 +125,32 @@ class Operator(dspy.Module):
         except TypeError as err:
             raise WorkflowError(f"bad settings for {cls.op_name or cls.__name__}: {err}", node=node,
                                 fix="check the node's 'config' against the operator's parameters") from err
+
+
+@functools.lru_cache(maxsize=512)
+def _fresh_signature_states(cls: type[Operator], spec: SignatureSpec, config_json: str) -> dict[str, Any]:
+    """``{predictor: signature state}`` of a freshly built operator (what an unoptimised node holds)."""
+    return {name: p.signature.dump_state()
+            for name, p in cls.from_config(spec, json.loads(config_json)).named_predictors()}
+
+
+def _remember_built_signatures(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap an operator's ``__init__`` so that, once the outermost one returns, the operator keeps the
+    signature class each predictor was built with (what :meth:`Operator.predictor_state` compares to)."""
+
+    @functools.wraps(init)
+    def wrapped(self: Operator, *args: Any, **kwargs: Any) -> None:
+        depth = self.__dict__.get("_init_depth", 0)
+        self.__dict__["_init_depth"] = depth + 1
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            self.__dict__["_init_depth"] = depth
+        if depth == 0:
+            del self.__dict__["_init_depth"]
+            self.__dict__["_built_signatures"] = {name: p.signature for name, p in self.named_predictors()}
+
+    return wrapped
 
 
 def _demo_to_json(demo: Any, predictor: str) -> dict[str, Any]:

@@ -60,6 +60,7 @@ class Workflow(dspy.Module):
         self.graph = nx.DiGraph()
         self.graph.add_nodes_from(PSEUDO_NODES)
         self._pinned_outputs: set[str] = set()
+        self._producers: dict[str, list[str]] = {}
         self.lms: dict[str, Any] = dict(lms or {})
         self.weights: dict[str, Any] = {}
         self.meta: dict[str, Any] = {}
@@ -74,7 +75,9 @@ class Workflow(dspy.Module):
             lm: str | None = None) -> Workflow:
         """Add a node; ``inputs`` maps its input fields to ``"node.field"`` or ``"$input.field"``.
 
-        Returns ``self`` so that chains read as one expression.
+        Returns ``self`` so that chains read as one expression. Costs time in the node's own fields,
+        not in the graph's size: only the new node's edges and the program outputs are re-checked
+        (a new node has no readers yet, so it cannot close a cycle).
         """
         self._check_new_node(node_id, op)
         explicit = dict(inputs or {})
@@ -90,23 +93,71 @@ class Workflow(dspy.Module):
             else:
                 src, src_field = self._default_source(field.name, node_id)
             wiring.append((src, src_field, field.name))
+        output_edges = {pred: dict(self.graph.edges[pred, OUTPUT]["map"])
+                        for pred in self.graph.predecessors(OUTPUT)}
+        self.nodes[node_id] = op
+        self.node_lms[node_id] = lm
+        self.graph.add_node(node_id)
         try:
-            with self._rollback_on_error():
-                self.nodes[node_id] = op
-                self.node_lms[node_id] = lm
-                self.graph.add_node(node_id)
-                for src, src_field, dst_field in wiring:
-                    self._add_mapping(src, node_id, src_field, dst_field)
-                # Latest producer of a program output feeds it, unless the user pinned another source.
-                for field in op.spec.outputs:
-                    if self.io.output(field.name) is not None and field.name not in self._pinned_outputs:
-                        self._set_output_source(field.name, node_id, field.name)
-                self.validate(require_complete=False)
+            for src, src_field, dst_field in wiring:
+                self._add_mapping(src, node_id, src_field, dst_field)
+            # Latest producer of a program output feeds it, unless the user pinned another source.
+            for field in op.spec.outputs:
+                if self.io.output(field.name) is not None and field.name not in self._pinned_outputs:
+                    self._set_output_source(field.name, node_id, field.name)
+            self._validate_inputs_of(node_id, require_complete=True)
+            self._validate_inputs_of(OUTPUT, require_complete=False)
         except BaseException:
-            self.nodes.pop(node_id, None)
-            self.node_lms.pop(node_id, None)
+            # A refused node leaves nothing behind: drop it and restore the outputs' wiring.
+            self.graph.remove_node(node_id)
+            del self.nodes[node_id], self.node_lms[node_id]
+            for pred in list(self.graph.predecessors(OUTPUT)):
+                self.graph.remove_edge(pred, OUTPUT)
+            for pred, mapping in output_edges.items():
+                self.graph.add_edge(pred, OUTPUT, map=mapping)
             raise
+        self._index_producer(node_id, op)
         return self
+
+    @classmethod
+    def from_graph(cls, signature: str | SignatureSpec, nodes: Mapping[str, Operator],
+                   edges: Iterable[tuple[str, str, Mapping[str, str]]], *, name: str = "workflow",
+                   node_lms: Mapping[str, str | None] | None = None, lms: Mapping[str, Any] | None = None,
+                   weights: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None) -> Workflow:
+        """A workflow wired exactly as given (no default wiring), validated as a whole.
+
+        ``nodes`` is in insertion order; ``edges`` are ``(src, dst, {src_field: dst_field})`` with
+        ``$input``/``$output`` as the program's ends. Every program output is pinned to its edge.
+
+        Example:
+            >>> from flowopt.modules import Predict
+            >>> wf = Workflow.from_graph("question -> answer", {"solve": Predict("question -> answer")},
+            ...                          [("$input", "solve", {"question": "question"}),
+            ...                           ("solve", "$output", {"answer": "answer"})])
+            >>> wf.sources("$output")
+            {'answer': ('solve', 'answer')}
+        """
+        wf = cls(signature, name=name, lms=lms)
+        node_lms = dict(node_lms or {})
+        for node_id, op in nodes.items():
+            wf._check_new_node(node_id, op)
+            wf.nodes[node_id] = op
+            wf.node_lms[node_id] = node_lms.get(node_id)
+            wf.graph.add_node(node_id)
+            wf._index_producer(node_id, op)
+        for src, dst, mapping in edges:
+            for end in (src, dst):
+                if end not in wf.nodes and end not in PSEUDO_NODES:
+                    raise WorkflowError("an edge refers to a node that does not exist", node=str(end),
+                                        fix=f"declare it first or use one of {[*PSEUDO_NODES, *wf.nodes]}")
+            if wf.graph.has_edge(src, dst):
+                raise WorkflowError(f"edge {src} -> {dst} appears twice", node=str(dst),
+                                    fix="merge the two maps into one edge")
+            wf.graph.add_edge(src, dst, map=dict(mapping))
+        wf._pinned_outputs = set(wf.io.output_names)  # the given wiring is kept exactly
+        wf.weights = dict(weights or {})
+        wf.meta = dict(meta or {})
+        return wf.validate()
 
     def output(self, **sources: str) -> Workflow:
         """Pin program outputs to node fields: ``wf.output(answer="final.answer")``."""
@@ -145,9 +196,11 @@ class Workflow(dspy.Module):
         """Remove a node and its edges (the caller re-wires what it fed)."""
         if node_id not in self.nodes:
             raise WorkflowError("no such node", node=node_id, fix=f"use one of {self.node_ids}")
-        del self.nodes[node_id]
+        op = self.nodes.pop(node_id)
         del self.node_lms[node_id]
         self.graph.remove_node(node_id)
+        for out in op.spec.outputs:
+            self._producers[out.name].remove(node_id)
         return self
 
     def _check_new_node(self, node_id: str, op: Operator) -> None:
@@ -171,9 +224,9 @@ class Workflow(dspy.Module):
         return src, src_field
 
     def _default_source(self, field: str, node_id: str) -> tuple[str, str]:
-        for candidate in reversed(self.node_ids):
-            if self.nodes[candidate].spec.output(field) is not None:
-                return candidate, field
+        producers = self._producers.get(field)
+        if producers:
+            return producers[-1], field
         if self.io.input(field) is not None:
             return INPUT, field
         raise WorkflowError(
@@ -181,6 +234,12 @@ class Workflow(dspy.Module):
             node=node_id, field=field,
             fix=f"add {field!r} to the program inputs, or pass inputs={{'{field}': 'node.field'}}",
         )
+
+    def _index_producer(self, node_id: str, op: Operator) -> None:
+        # {field: node ids producing it, in insertion order}: the latest producer is found in O(1),
+        # which keeps add() independent of the graph's size.
+        for out in op.spec.outputs:
+            self._producers.setdefault(out.name, []).append(node_id)
 
     def _add_mapping(self, src: str, dst: str, src_field: str, dst_field: str) -> None:
         if self.graph.has_edge(src, dst):
@@ -239,46 +298,53 @@ class Workflow(dspy.Module):
             raise WorkflowError(f"the graph has a cycle ({path})", node=cycle[0][0],
                                 fix="remove an edge of the cycle; bounded loops belong inside an operator "
                                     "such as Refine(max_rounds=...)")
-        for src, dst, data in self.graph.edges(data=True):
+        for src, dst in self.graph.edges:
             if dst == INPUT or src == OUTPUT:
                 raise WorkflowError(f"edge {src} -> {dst} points the wrong way", node=dst,
                                     fix="$input may only be a source and $output only a target")
-            for node in (src, dst):
-                if node not in self.nodes and node not in PSEUDO_NODES:
-                    raise WorkflowError("edge refers to a node that does not exist", node=node,
-                                        fix=f"use one of {[*PSEUDO_NODES, *self.node_ids]}")
-            src_spec, dst_spec = self.node_spec(src), self.node_spec(dst)
-            for src_field, dst_field in data["map"].items():
+        for node_id in self.nodes:
+            self._validate_inputs_of(node_id, require_complete=True)
+        self._validate_inputs_of(OUTPUT, require_complete=require_complete)
+        return self
+
+    def _validate_inputs_of(self, node_id: str, *, require_complete: bool) -> None:
+        """Check the edges into one node (or ``$output``): fields exist, types match, each input fed once."""
+        dst_spec = self.node_spec(node_id)
+        counts: dict[str, int] = {}
+        for src in self.graph.predecessors(node_id):
+            if src not in self.nodes and src not in PSEUDO_NODES:
+                raise WorkflowError("edge refers to a node that does not exist", node=src,
+                                    fix=f"use one of {[*PSEUDO_NODES, *self.node_ids]}")
+            if src == OUTPUT or node_id == INPUT:
+                raise WorkflowError(f"edge {src} -> {node_id} points the wrong way", node=node_id,
+                                    fix="$input may only be a source and $output only a target")
+            src_spec = self.node_spec(src)
+            for src_field, dst_field in self.graph.edges[src, node_id]["map"].items():
                 out = src_spec.output(src_field)
                 if out is None:
-                    raise WorkflowError(f"edge {src} -> {dst} reads {src_field!r}, which {src} does not "
+                    raise WorkflowError(f"edge {src} -> {node_id} reads {src_field!r}, which {src} does not "
                                         "produce", node=src, field=src_field,
                                         fix=f"map one of {src_spec.output_names}")
                 inp = dst_spec.input(dst_field)
                 if inp is None:
-                    raise WorkflowError(f"edge {src} -> {dst} feeds {dst_field!r}, which {dst} does not "
-                                        "take", node=dst, field=dst_field,
+                    raise WorkflowError(f"edge {src} -> {node_id} feeds {dst_field!r}, which {node_id} does not "
+                                        "take", node=node_id, field=dst_field,
                                         fix=f"map to one of {dst_spec.input_names}")
                 if not types_compatible(out.type, inp.type):
                     raise WorkflowError(
-                        f"type mismatch: {src}.{src_field} is {out.type} but {dst}.{dst_field} takes "
-                        f"{inp.type}", node=dst, field=dst_field,
+                        f"type mismatch: {src}.{src_field} is {out.type} but {node_id}.{dst_field} takes "
+                        f"{inp.type}", node=node_id, field=dst_field,
                         fix="change one of the two field types, or insert a node that converts",
                     )
-        for node_id in [*self.nodes, OUTPUT]:
-            counts: dict[str, int] = {}
-            for pred in self.graph.predecessors(node_id):
-                for dst_field in self.graph.edges[pred, node_id]["map"].values():
-                    counts[dst_field] = counts.get(dst_field, 0) + 1
-            for field in self.node_spec(node_id).inputs:
-                n = counts.get(field.name, 0)
-                if n > 1:
-                    raise WorkflowError(f"input is fed {n} times", node=node_id, field=field.name,
-                                        fix="keep exactly one edge into each input field")
-                if n == 0 and (node_id != OUTPUT or require_complete):
-                    raise WorkflowError("input is not fed by any edge", node=node_id, field=field.name,
-                                        fix="add a node that produces it or map a source to it")
-        return self
+                counts[dst_field] = counts.get(dst_field, 0) + 1
+        for field in dst_spec.inputs:
+            n = counts.get(field.name, 0)
+            if n > 1:
+                raise WorkflowError(f"input is fed {n} times", node=node_id, field=field.name,
+                                    fix="keep exactly one edge into each input field")
+            if n == 0 and require_complete:
+                raise WorkflowError("input is not fed by any edge", node=node_id, field=field.name,
+                                    fix="add a node that produces it or map a source to it")
 
     # ------------------------------------------------------------------ running
     def forward(self, **inputs: Any) -> dspy.Prediction:
@@ -391,13 +457,12 @@ class Workflow(dspy.Module):
         """Structure, settings, instructions and demos with sorted keys, without ``meta``.
 
         Two workflows that behave the same under the same LMs have the same canonical JSON, so it is
-        the key for caching evaluations.
+        the key for caching evaluations: nodes and edges are sorted too, since the order they were
+        added in does not change what the graph computes.
         """
-        from flowopt.ir import dumps
+        from flowopt.ir import canonical_dumps
 
-        data = self.to_dict()
-        data.pop("meta", None)
-        return dumps(data, indent=None, sort_keys=True)
+        return canonical_dumps(self.to_dict())
 
     def draw(self, path: str | Path | None = None, *, fmt: str = "png") -> bytes:
         """Render the graph (node ids, ops, field maps) to PNG or SVG bytes; optionally save to ``path``."""

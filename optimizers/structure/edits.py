@@ -22,7 +22,10 @@ from flowopt.registry import get_operator
 from flowopt.signature import SignatureSpec
 from flowopt.workflow import INPUT, OUTPUT, Workflow
 
+# Operators over the same signature that answer with one LM call (or a vote of them): any can become
+# any other, so every wrap has its unwrap.
 SWAPPABLE = ("Predict", "ChainOfThought")
+ENSEMBLE = "ScEnsemble"
 # Operators whose single LM answer can be sampled, refined or checked by a program.
 ANSWERING = ("Predict", "ChainOfThought", "ScEnsemble", "Custom")
 SELECT_INSTRUCTION = (
@@ -146,21 +149,23 @@ def edit_kinds() -> dict[str, type[Edit]]:
 # ---------------------------------------------------------------------------------------- edits
 @dataclasses.dataclass(frozen=True)
 class SwapOperator(Edit):
-    """Swap a node between ``Predict`` and ``ChainOfThought`` (same signature, demos carried)."""
+    """Swap a node between ``Predict`` and ``ChainOfThought``, or unwrap a ``ScEnsemble`` into either
+    (same signature, demos carried): the inverse of :class:`WrapEnsemble` and of itself."""
 
     kind: ClassVar[str] = "swap_operator"
     op: str = "ChainOfThought"
 
     def describe(self) -> str:
-        return f"swap {self.node} to {self.op}"
+        verb = "swap" if self.op in SWAPPABLE else "set"
+        return f"{verb} {self.node} to {self.op}"
 
     def _transform(self, data: IR, node: IR) -> None:
-        if node["op"] not in SWAPPABLE or self.op not in SWAPPABLE:
-            raise InvalidEdit(self, f"swap works between {SWAPPABLE}; node is {node['op']}, target {self.op}",
-                              node=self.node)
+        if node["op"] not in (*SWAPPABLE, ENSEMBLE) or self.op not in SWAPPABLE:
+            raise InvalidEdit(self, f"swap turns one of {(*SWAPPABLE, ENSEMBLE)} into one of {SWAPPABLE}; "
+                                    f"node is {node['op']}, target {self.op}", node=self.node)
         if node["op"] == self.op:
             raise InvalidEdit(self, f"node is already {self.op}", node=self.node)
-        config = {k: v for k, v in node["config"].items() if k == "temperature"}
+        config = {k: v for k, v in node["config"].items() if k == "temperature" and node["op"] != ENSEMBLE}
         _replace_op(node, self.op, config)
 
 
@@ -305,8 +310,8 @@ class AddRetrieve(Edit):
 class RemoveNode(Edit):
     """Remove a node; its readers are re-wired to what it was built on, and branches left dead go too.
 
-    An output ``f`` is replaced by the node's input ``f``, else an input ending in ``_f`` (a refine's
-    draft, a selector's first candidate), else its only input of the same non-str type (a retriever's
+    An output ``f`` is replaced by the node's input ``f``, else ``draft_f`` (a refine's draft), else an
+    input ending in ``_f`` (a selector's first candidate), else its only input of the same non-str type (a retriever's
     context). When none fits, the edit is refused.
     """
 
@@ -444,6 +449,8 @@ def _pass_through(inputs: list[IR], out: IR) -> str | None:
     same_name = next((f["name"] for f in inputs if f["name"] == out["name"]), None)
     if same_name:
         return same_name
+    if any(f["name"] == f"draft_{out['name']}" for f in inputs):  # a Refine: back to its draft
+        return f"draft_{out['name']}"
     suffixed = next((f["name"] for f in inputs if f["name"].endswith(f"_{out['name']}")), None)
     if suffixed:
         return suffixed

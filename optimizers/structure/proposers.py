@@ -23,6 +23,7 @@ import dspy
 from flowopt.errors import ConfigError, FlowoptError
 from flowopt.optimizers.structure.edits import (
     ANSWERING,
+    ENSEMBLE,
     SWAPPABLE,
     AddProgrammer,
     AddRefine,
@@ -98,11 +99,13 @@ class Vocabulary:
         for node_id, op in workflow.nodes.items():
             name = type(op).op_name
             config = op.config()
-            if name in SWAPPABLE:
+            if name in (*SWAPPABLE, ENSEMBLE):  # an ensemble unwraps into either single-call operator
                 out += [SwapOperator(node_id, other) for other in SWAPPABLE if other != name]
+            if name in SWAPPABLE:
                 out += [WrapEnsemble(node_id, n) for n in self.ensemble_sizes]
             if name in ANSWERING:
-                out += [AddRefine(node_id, r) for r in self.refine_rounds[:1]]
+                # Every round count, so that removing a Refine of any rounds is undone by one edit.
+                out += [AddRefine(node_id, r) for r in self.refine_rounds]
                 out.append(AddProgrammer(node_id))
             out += [AddRetrieve(node_id, k) for k in self.retrieve_k[:1]]
             out.append(RemoveNode(node_id))

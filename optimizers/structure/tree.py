@@ -27,9 +27,9 @@ def ir_key(ir: dict[str, Any]) -> str:
         >>> ir_key(wf.to_dict()) == workflow_key(wf.canonical_json())
         True
     """
-    from flowopt.ir import dumps
+    from flowopt.ir import canonical_dumps
 
-    return workflow_key(dumps({k: v for k, v in ir.items() if k != "meta"}, indent=None, sort_keys=True))
+    return workflow_key(canonical_dumps(ir))
 
 
 @dataclass
