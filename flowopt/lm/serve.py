@@ -155,7 +155,9 @@ def text_completion(local: LocalLM, body: CompletionRequest, model_name: str) ->
     """Answer one ``/v1/completions`` body (the prompt is raw text: no chat template, no transcript)."""
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     rows = _rows(local, body, prompts=len(prompts))
-    choices, used, prompt_tokens = [], [], 0
+    choices: list[dict[str, Any]] = []
+    used: list[Any] = []
+    prompt_tokens = 0
     for text in prompts:
         prompt_ids = local.render(text)
         prompt_tokens += len(prompt_ids)

@@ -383,6 +383,12 @@ import time; time.sleep(30)
         _kill_all(_alive_with(marker))
 
 
+def test_closing_the_pipes_does_not_escape_the_timeout():
+    start = time.monotonic()
+    result = run("import os\nos.close(1)\nos.close(2)\nwhile True:\n    pass", timeout_s=1.5)
+    assert result.timed_out and time.monotonic() - start < 4.5
+
+
 def test_stdout_flood_is_capped_and_returns_promptly():
     before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.monotonic()
