@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flowopt.errors import SchemaError, WorkflowError
-from flowopt.lm_spec import lm_to_spec
+from flowopt.lm_spec import LoadedLMSpec, lm_to_spec, refuse_loaded_endpoints, trust_loaded_specs
 from flowopt.operator import Operator
 from flowopt.registry import get_operator
 from flowopt.signature import FieldSpec, SignatureSpec
@@ -104,7 +104,7 @@ def workflow_from_dict(data: Any) -> Workflow:
         if not isinstance(spec, Mapping) or not isinstance(spec.get("model"), str):
             raise SchemaError("an LM entry needs a 'model' string", node=f"lms.{name}", field="model",
                               fix='write {"model": "openai/gpt-4o-mini"}')
-        lms[name] = dict(spec)  # built lazily on first use
+        lms[name] = LoadedLMSpec(spec)  # built lazily on first use; may not choose endpoints
     raw_nodes = data.get("nodes")
     if not isinstance(raw_nodes, list):
         raise SchemaError("'nodes' must be a list", field="nodes", fix="write \"nodes\": [...]")
@@ -176,8 +176,12 @@ def _node_from_dict(raw: Any) -> tuple[str, Operator, str | None]:
     return node_id, op, lm
 
 
-def load(path: str | Path, *, lms: Mapping[str, Any] | None = None) -> Workflow:
+def load(path: str | Path, *, lms: Mapping[str, Any] | None = None, trust_endpoints: bool = False) -> Workflow:
     """Load a workflow saved with :meth:`Workflow.save`; ``lms`` binds (or overrides) its LMs by name.
+
+    A file's ``lms`` entries may name models and sampling settings only: one that sets ``api_base``,
+    headers, provider routing and the like raises :class:`ConfigError` unless ``lms`` binds that entry
+    or ``trust_endpoints=True`` (for files you wrote or trust).
 
     Example:
         >>> import flowopt  # doctest: +SKIP
@@ -189,4 +193,7 @@ def load(path: str | Path, *, lms: Mapping[str, Any] | None = None) -> Workflow:
     wf = workflow_from_dict(loads(file.read_text(encoding="utf-8")))
     if lms:
         wf.lms.update(lms)
+    if trust_endpoints:
+        wf.lms = trust_loaded_specs(wf.lms)
+    refuse_loaded_endpoints(wf.lms, source=str(file))
     return wf

@@ -420,7 +420,7 @@ class Workflow(dspy.Module):
 
             with self._lm_lock:
                 if isinstance(self.lms[name], dict):
-                    self.lms[name] = lm_from_spec(self.lms[name])
+                    self.lms[name] = lm_from_spec(self.lms[name], name=name)
                 lm = self.lms[name]
         return lm
 

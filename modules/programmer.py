@@ -23,8 +23,11 @@ ON_FAILURE = ("raise", "empty")
 class Programmer(Operator):
     """Solve by writing code: the program's last printed line becomes the node's single output.
 
-    The code runs in :func:`flowopt.modules.sandbox.run_python` (separate process, timeout, memory
-    limit, temporary directory, no network). A failed run is shown to the LM, which gets up to
+    The code runs in :func:`flowopt.modules.sandbox.run_python`: bubblewrap namespaces and a seccomp
+    filter (no network, no new processes, no host files but a read-only interpreter, an empty
+    environment), with time, memory and output limits. If that boundary cannot be built on this
+    machine, :class:`~flowopt.errors.SandboxError` is raised whatever ``on_failure`` says: the code
+    never runs unisolated. A failed run is shown to the LM, which gets up to
     ``max_attempts`` tries. If every try fails, ``on_failure="raise"`` raises
     :class:`~flowopt.errors.SandboxError` and ``on_failure="empty"`` outputs ``""`` (useful as one
     branch of an ensemble, where a selector ignores empty candidates).

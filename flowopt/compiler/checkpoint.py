@@ -83,6 +83,7 @@ def program_to_data(program: Any) -> dict[str, Any]:
 def program_from_data(data: dict[str, Any], base: Any) -> Any:
     """Rebuild a program saved by :func:`program_to_data`, taking LM clients from ``base``."""
     if data.get("kind") == "workflow":
+        from flowopt.lm_spec import refuse_loaded_endpoints
         from flowopt.workflow import Workflow
 
         wf = Workflow.from_dict(data["workflow"])
@@ -90,6 +91,8 @@ def program_from_data(data: dict[str, Any], base: Any) -> Any:
             for name, lm in base.lms.items():
                 if name in wf.lms:
                     wf.lms[name] = lm
+        # Entries the caller did not bind come from the run folder, which may be shared or edited.
+        refuse_loaded_endpoints(wf.lms, source="a checkpoint in the run folder")
         return wf
     program = clone_program(base)
     lms = {name: p.lm for name, p in program.named_predictors()}
@@ -97,15 +100,15 @@ def program_from_data(data: dict[str, Any], base: Any) -> Any:
     program.load_state(state)
     saved_lms = data.get("lms", {})
     for name, predictor in program.named_predictors():
-        predictor.lm = _restore_lm(saved_lms.get(name), lms.get(name))
+        predictor.lm = _restore_lm(saved_lms.get(name), lms.get(name), name=name)
         predictor.config = dict(data.get("configs", {}).get(name, predictor.config))
     return program
 
 
-def _restore_lm(spec: dict[str, Any] | None, base_lm: Any) -> Any:
+def _restore_lm(spec: dict[str, Any] | None, base_lm: Any, *, name: str) -> Any:
     """The LM a saved predictor ran with: ``base_lm`` when it is the one described (it keeps its client,
     keys and cache), else a new LM built from the description."""
-    from flowopt.lm_spec import lm_from_spec, lm_to_spec
+    from flowopt.lm_spec import LoadedLMSpec, lm_from_spec, lm_to_spec
 
     if spec is None:
         return base_lm
@@ -115,7 +118,8 @@ def _restore_lm(spec: dict[str, Any] | None, base_lm: Any) -> Any:
                 return base_lm
         except FlowoptError:
             pass  # the base LM cannot be described, so it is not the saved one
-    return lm_from_spec(spec)
+    # Read from the run folder, which may be shared or edited: it may not choose an endpoint.
+    return lm_from_spec(LoadedLMSpec(spec), name=f"predictor {name!r} (checkpoint)")
 
 
 def _is_json(value: Any) -> bool:

@@ -20,11 +20,14 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from flowopt.errors import FlowoptError
 from flowopt.lm.generation import RowSettings, derive_seed
@@ -34,44 +37,94 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Caps per request: a client cannot make one request hold the model for long or the server's memory.
+MAX_PROMPTS = 32  # prompts in one /v1/completions request
+MAX_ROWS = 64  # completions in one request: n x prompts
+MAX_MESSAGES = 256
+MAX_TEXT_CHARS = 200_000  # one prompt, message or text part
+MAX_TOKENS = 4096  # max_tokens / max_completion_tokens
+MAX_STOPS = 8
+
+_Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+_Finite = Annotated[float, Field(allow_inf_nan=False)]
+
 
 class BadRequest(Exception):
     """A client error, answered as HTTP 400 in OpenAI's error shape."""
 
 
-def _text_of(content: Any) -> str:
-    """OpenAI message content: a string or a list of parts, of which only text parts are accepted."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise BadRequest("only text content parts are supported")
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
-    raise BadRequest(f"unsupported message content {type(content).__name__}")
+class _Request(BaseModel):
+    # OpenAI clients send fields a local model has no use for (user, logit_bias, ...): ignored, never
+    # stored, so a deeply nested unknown field costs nothing.
+    model_config = ConfigDict(extra="ignore")
 
 
-def _rows(local: LocalLM, body: dict[str, Any]) -> list[RowSettings]:
-    """The n decoding settings of a request (OpenAI field names)."""
-    n = body.get("n") or 1
-    if not isinstance(n, int) or n < 1 or n > 64:
-        raise BadRequest("n must be an integer between 1 and 64")
-    stop = body.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)
-    seed = body.get("seed")
-    temperature = body.get("temperature")
+class TextPart(_Request):
+    """One part of a message's content; only text parts are served."""
+
+    type: Literal["text"]
+    text: _Text
+
+
+class ChatMessage(_Request):
+    """One chat message: a role and text (a string or a list of text parts)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"] = "user"
+    content: _Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class SamplingRequest(_Request):
+    """The decoding settings both endpoints share (OpenAI's names and meanings), with bounds."""
+
+    model: Annotated[str, Field(max_length=256)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_ROWS, strict=True)] = 1
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS, strict=True)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS, strict=True)] | None = None
+    temperature: Annotated[_Finite, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[_Finite, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=100_000, strict=True)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64, strict=True)] | None = None
+    stop: Annotated[str, Field(max_length=256)] | Annotated[
+        list[Annotated[str, Field(max_length=256)]], Field(max_length=MAX_STOPS)] | None = None
+    stream: bool = False
+
+
+class ChatRequest(SamplingRequest):
+    """A ``/v1/chat/completions`` body."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    """A ``/v1/completions`` body: one prompt or a list of them."""
+
+    prompt: _Text | Annotated[list[_Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+
+
+def _rows(local: LocalLM, body: SamplingRequest, prompts: int = 1) -> list[RowSettings]:
+    """The n decoding settings of a request."""
+    if body.stream:
+        raise BadRequest("streaming is not supported by flowopt serve; send stream=false")
+    if body.n * prompts > MAX_ROWS:
+        raise BadRequest(f"n x prompts = {body.n * prompts} completions; at most {MAX_ROWS} per request")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    seed = body.seed
     try:
         return [RowSettings(
-            max_new_tokens=int(body.get("max_completion_tokens") or body.get("max_tokens") or local.max_new_tokens),
-            temperature=float(local.temperature if temperature is None else temperature),
-            top_p=float(body.get("top_p") if body.get("top_p") is not None else 1.0),
-            top_k=int(body.get("top_k") or 0),
+            max_new_tokens=body.max_completion_tokens or body.max_tokens or local.max_new_tokens,
+            temperature=float(local.temperature if body.temperature is None else body.temperature),
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
             # Sample 0 uses the seed itself, so a served call matches the same call made in-process.
-            seed=None if seed is None else (int(seed) if k == 0 else derive_seed(int(seed), k)),
+            seed=None if seed is None else (seed if k == 0 else derive_seed(seed, k)),
             stop=stop,
-        ) for k in range(n)]
+        ) for k in range(body.n)]
     except (TypeError, ValueError) as exc:
         raise BadRequest(str(exc)) from exc
 
@@ -82,18 +135,13 @@ def _usage(prompt_tokens: int, samples: Sequence[Any]) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion}
 
 
-def chat_completion(local: LocalLM, body: dict[str, Any], model_name: str) -> dict[str, Any]:
+def chat_completion(local: LocalLM, body: ChatRequest, model_name: str) -> dict[str, Any]:
     """Answer one ``/v1/chat/completions`` body."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list")
-    if body.get("stream"):
-        raise BadRequest("streaming is not supported by flowopt serve; send stream=false")
-    if body.get("tools"):
+    if body.tools:
         raise BadRequest("tools are not supported by local models")
-    rendered = [{"role": str(m.get("role", "user")), "content": _text_of(m.get("content"))} for m in messages]
-    prompt_ids = local.render(rendered)
-    samples = local.complete_many(prompt_ids, _rows(local, body))
+    rows = _rows(local, body)
+    prompt_ids = local.render([{"role": m.role, "content": m.text()} for m in body.messages])
+    samples = local.complete_many(prompt_ids, rows)
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
         "model": model_name,
@@ -103,16 +151,13 @@ def chat_completion(local: LocalLM, body: dict[str, Any], model_name: str) -> di
     }
 
 
-def text_completion(local: LocalLM, body: dict[str, Any], model_name: str) -> dict[str, Any]:
+def text_completion(local: LocalLM, body: CompletionRequest, model_name: str) -> dict[str, Any]:
     """Answer one ``/v1/completions`` body (the prompt is raw text: no chat template, no transcript)."""
-    prompt = body.get("prompt")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise BadRequest("prompt must be a string or a list of strings")
-    if body.get("stream"):
-        raise BadRequest("streaming is not supported by flowopt serve; send stream=false")
-    rows = _rows(local, body)
-    choices, used, prompt_tokens = [], [], 0
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    rows = _rows(local, body, prompts=len(prompts))
+    choices: list[dict[str, Any]] = []
+    used: list[Any] = []
+    prompt_tokens = 0
     for text in prompts:
         prompt_ids = local.render(text)
         prompt_tokens += len(prompt_ids)
@@ -124,43 +169,54 @@ def text_completion(local: LocalLM, body: dict[str, Any], model_name: str) -> di
             "model": model_name, "choices": choices, "usage": _usage(prompt_tokens, used)}
 
 
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message[:2000], "type": kind}})
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    """The first few problems, each as 'where: what' (never the offending value, which may be huge)."""
+    problems = []
+    for problem in exc.errors()[:5]:
+        where = ".".join(str(part) for part in problem.get("loc", ()) if part != "body")[:200]
+        problems.append(f"{where or 'body'}: {str(problem.get('msg', 'invalid'))[:200]}")
+    return "; ".join(problems) or "invalid request body"
+
+
 def create_app(local: LocalLM, *, model_name: str | None = None) -> FastAPI:
-    """The FastAPI application serving ``local`` under ``model_name`` (default: its name)."""
+    """The FastAPI application serving ``local`` under ``model_name`` (default: its name).
+
+    Request bodies are pydantic models: a malformed or out-of-bounds body is a 400 in OpenAI's error
+    shape before any generation starts.
+    """
     name = model_name or local.name
     app = FastAPI(title="flowopt serve", version="1")
 
-    def error(status: int, message: str, kind: str) -> JSONResponse:
-        return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind}})
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, _validation_message(exc), "invalid_request_error")
 
-    async def read(request: Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise BadRequest(f"the body is not JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
-        return body
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # FastAPI answers 400 "error parsing the body" for JSON it cannot read (e.g. nested too deep).
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
-    async def answer(request: Request, handler: Any) -> JSONResponse:
+    async def answer(handler: Any, body: SamplingRequest) -> JSONResponse:
         try:
-            body = await read(request)
             # Generation blocks; a worker thread per request lets concurrent requests meet in one batch.
             return JSONResponse(await run_in_threadpool(handler, local, body, name))
-        except BadRequest as exc:
-            return error(400, str(exc), "invalid_request_error")
-        except FlowoptError as exc:
-            return error(400, str(exc), "invalid_request_error")
+        except (BadRequest, FlowoptError) as exc:
+            return _error(400, str(exc), "invalid_request_error")
         except Exception as exc:  # the server stays up; the client sees what went wrong
             logger.exception("generation failed")
-            return error(500, f"{type(exc).__name__}: {exc}", "server_error")
+            return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> JSONResponse:
-        return await answer(request, chat_completion)
+    async def chat(body: ChatRequest) -> JSONResponse:
+        return await answer(chat_completion, body)
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
-        return await answer(request, text_completion)
+    async def completions(body: CompletionRequest) -> JSONResponse:
+        return await answer(text_completion, body)
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:

@@ -129,3 +129,94 @@ def test_serve_with_adapter_answers_with_the_adapted_weights(tiny_model_dir, tmp
         remote = dspy.LM("openai/tuned", api_base=base, api_key="x", engine="litellm", temperature=0.0,
                          max_tokens=8, cache=False, num_retries=0)
         assert remote(messages=MESSAGES) == [expected]
+
+
+# --- bad request bodies, through the real app in-process (no generation is reached) -----------------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+NESTED_OBJECT = '{"a":' * 900 + "1" + "}" * 900
+MSG = [{"role": "user", "content": "hi"}]
+BAD_CHAT_BODIES = [
+    ("not json", "{not json"),
+    ("an array", "[1, 2]"),
+    ("a string", '"hi"'),
+    ("empty object", "{}"),
+    ("nested 100k deep", DEEP),
+    ("messages nested 100k deep", '{"messages": ' + DEEP + "}"),
+    ("message content nested", json.dumps({"messages": [{"role": "user", "content": [[[["hi"]]]]}]})),
+    ("messages of strings", json.dumps({"messages": ["hi"]})),
+    ("messages a string", json.dumps({"messages": "hi"})),
+    ("messages empty", json.dumps({"messages": []})),
+    ("message null", json.dumps({"messages": [None]})),
+    ("unknown role", json.dumps({"messages": [{"role": "root", "content": "hi"}]})),
+    ("content a number", json.dumps({"messages": [{"role": "user", "content": 5}]})),
+    ("image part", json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]})),
+    ("stop a number", json.dumps({"messages": MSG, "stop": 5})),
+    ("stop list of numbers", json.dumps({"messages": MSG, "stop": [1, 2]})),
+    ("too many stops", json.dumps({"messages": MSG, "stop": ["a"] * 50})),
+    ("NaN temperature", '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'),
+    ("Infinity temperature", '{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}'),
+    ("negative temperature", json.dumps({"messages": MSG, "temperature": -1})),
+    ("temperature a string", json.dumps({"messages": MSG, "temperature": "hot"})),
+    ("top_p zero", json.dumps({"messages": MSG, "top_p": 0})),
+    ("n zero", json.dumps({"messages": MSG, "n": 0})),
+    ("n huge", json.dumps({"messages": MSG, "n": 10**9})),
+    ("n a float", json.dumps({"messages": MSG, "n": 2.5})),
+    ("n a string", json.dumps({"messages": MSG, "n": "3"})),
+    ("max_tokens huge", json.dumps({"messages": MSG, "max_tokens": 10**9})),
+    ("max_tokens negative", json.dumps({"messages": MSG, "max_tokens": -1})),
+    ("max_tokens a string", json.dumps({"messages": MSG, "max_tokens": "12"})),
+    ("max_completion_tokens huge", json.dumps({"messages": MSG, "max_completion_tokens": 10**6})),
+    ("seed a float", json.dumps({"messages": MSG, "seed": 1.5})),
+    ("seed past 64 bits", json.dumps({"messages": MSG, "seed": 2**70})),
+    ("stream", json.dumps({"messages": MSG, "stream": True})),
+    ("tools", json.dumps({"messages": MSG, "tools": [{"type": "function"}]})),
+    ("too many messages", json.dumps({"messages": MSG * 1000})),
+    ("a 1 MB message", json.dumps({"messages": [{"role": "user", "content": "x" * 2**20}]})),
+]
+BAD_COMPLETION_BODIES = [
+    ("no prompt", "{}"),
+    ("prompt a number", json.dumps({"prompt": 5})),
+    ("prompt list of numbers", json.dumps({"prompt": [1, 2]})),
+    ("prompt empty list", json.dumps({"prompt": []})),
+    ("prompt nested 100k deep", '{"prompt": ' + DEEP + "}"),
+    ("too many prompts", json.dumps({"prompt": ["hi"] * 1000})),
+    ("n x prompts over the cap", json.dumps({"prompt": ["hi"] * 8, "n": 16})),
+    ("NaN top_p", '{"prompt": "hi", "top_p": NaN}'),
+]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_local):
+    from fastapi.testclient import TestClient
+
+    from flowopt.lm.serve import create_app
+
+    with TestClient(create_app(tiny_local, model_name="tiny")) as test_client:
+        yield test_client
+
+
+@pytest.mark.parametrize(("path", "label", "body"),
+                         [("/v1/chat/completions", label, body) for label, body in BAD_CHAT_BODIES]
+                         + [("/v1/completions", label, body) for label, body in BAD_COMPLETION_BODIES],
+                         ids=[label for label, _ in BAD_CHAT_BODIES + BAD_COMPLETION_BODIES])
+def test_bad_bodies_get_a_400_in_openai_shape(client, tiny_local, monkeypatch, path, label, body):
+    calls = []
+    monkeypatch.setattr(tiny_local, "complete_many", lambda *a, **k: calls.append(a) or [])
+    response = client.post(path, content=body.encode(), headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, (label, response.text[:500])
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert len(response.content) < 5000  # the offending input is never echoed back
+    assert calls == []  # rejected before any generation
+
+
+def test_a_good_body_still_generates_in_process(client):
+    response = client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 3, "temperature": 0})
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["role"] == "assistant"
+    # Fields OpenAI clients send that a local model ignores are dropped unread, however deep.
+    ignored = json.dumps({"messages": MSG, "max_tokens": 2})[:-1] + ', "user": ' + NESTED_OBJECT + "}"
+    response = client.post("/v1/chat/completions", content=ignored.encode(),
+                           headers={"Content-Type": "application/json"})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 1

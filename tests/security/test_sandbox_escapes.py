@@ -1,0 +1,508 @@
+"""The escape suite: every way out of the Programmer sandbox that was found, plus the obvious others.
+
+Each case runs hostile code through :func:`run_python` and checks the *host* afterwards: a file that
+must not exist, a file that must be unchanged, a process that must be gone or still alive, a secret
+that must not come back, a time and memory bound on the parent. A case passes when the sandbox held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from flowopt.modules.sandbox import run_python
+
+REPO = Path(__file__).resolve().parents[2]
+# Starts a process from inside the sandbox without touching subprocess/os.fork (no audit event).
+SPAWN = """
+import multiprocessing.util, os, sys
+def spawn(argv):
+    argv = [os.fsencode(a) for a in argv]
+    return multiprocessing.util.spawnv_passfds(argv[0], argv, (1, 2))
+"""
+
+
+def run(code: str, **kwargs):
+    kwargs.setdefault("timeout_s", 5.0)
+    return run_python(textwrap.dedent(code), **kwargs)
+
+
+def _alive_with(marker: str) -> list[int]:
+    """Host processes whose command line holds ``marker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return [p for p in pids if p != os.getpid()]
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+# --- 1. switching the guard off from inside -------------------------------------------------------
+
+def test_main_module_state_tampering_cannot_write_outside(tmp_path):
+    target = tmp_path / "tamper.txt"
+    run(f"""
+        import sys
+        m = sys.modules['__main__']
+        m._DENY = (); m._inside = lambda p: True
+        open({str(target)!r}, 'w').write('x')
+    """)
+    assert not target.exists()
+
+
+def test_replacing_the_guard_code_cannot_write_outside(tmp_path):
+    target = tmp_path / "code.txt"
+    run(f"""
+        import sys
+        sys.modules['__main__']._guard.__code__ = (lambda event, args: None).__code__
+        open({str(target)!r}, 'w').write('x')
+    """)
+    assert not target.exists()
+
+
+def test_guard_found_through_gc_cannot_be_disabled(tmp_path):
+    target = tmp_path / "gc.txt"
+    run(f"""
+        import gc
+        for obj in gc.get_objects():
+            if callable(obj) and getattr(obj, '__name__', '') == '_guard':
+                obj.__code__ = (lambda event, args: None).__code__
+        open({str(target)!r}, 'w').write('x')
+    """)
+    assert not target.exists()
+
+
+# --- 2. processes and writes that never touch a hook ----------------------------------------------
+
+def test_posixsubprocess_fork_exec_starts_nothing(tmp_path):
+    target = tmp_path / "fork_exec.txt"
+    inner = f"open({str(target)!r}, 'w')".encode()
+    run(f"""
+        import _posixsubprocess, os, subprocess, sys
+        for argv in ([b'/bin/sh', b'-c', b'echo x > {target}'],
+                     [sys.executable.encode(), b'-c', {inner!r}]):
+            r, w = os.pipe()
+            try:
+                _posixsubprocess.fork_exec(argv, [argv[0]], True, (), None, None, -1, -1, -1, -1, -1, -1,
+                                           r, w, False, False, -1, None, None, None, -1, None,
+                                           subprocess._USE_VFORK)
+            except Exception as exc:
+                print(type(exc).__name__)
+        import time; time.sleep(0.5)
+    """)
+    time.sleep(0.3)
+    assert not target.exists()
+
+
+def test_multiprocessing_spawnv_passfds_starts_nothing(tmp_path):
+    target = tmp_path / "spawnv.txt"
+    inner = f"open({str(target)!r}, 'w')"
+    run(SPAWN + f"""
+try:
+    spawn([sys.executable, '-c', {inner!r}])
+except Exception as exc:
+    print(type(exc).__name__)
+try:
+    spawn(['/bin/sh', '-c', 'echo x > {target}'])
+except Exception as exc:
+    print(type(exc).__name__)
+import time; time.sleep(0.5)
+""")
+    time.sleep(0.3)
+    assert not target.exists()
+
+
+def test_open_relative_to_a_directory_fd_outside(tmp_path):
+    run(f"""
+        import os
+        fd = os.open({str(tmp_path)!r}, os.O_RDONLY)
+        os.close(os.open('dirfd.txt', os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    """)
+    assert not (tmp_path / "dirfd.txt").exists()
+
+
+def test_hard_link_then_write_leaves_the_victim_unchanged(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    run(f"""
+        import os
+        os.link({str(victim)!r}, 'h')
+        open('h', 'w').write('pwned')
+    """)
+    assert victim.read_text() == "original"
+
+
+def test_read_only_open_with_o_trunc_does_not_truncate(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    run(f"import os\nos.open({str(victim)!r}, os.O_RDONLY | os.O_TRUNC)")
+    assert victim.read_text() == "original"
+
+
+def test_sqlite_connect_outside_creates_nothing(tmp_path):
+    target = tmp_path / "db.sqlite"
+    run(f"import sqlite3\nsqlite3.connect({str(target)!r}).execute('create table t(x)')")
+    assert not target.exists()
+
+
+def test_mkfifo_outside_creates_nothing(tmp_path):
+    target = tmp_path / "fifo"
+    run(f"import os\nos.mkfifo({str(target)!r})")
+    assert not target.exists()
+
+
+def test_setxattr_on_a_host_file_is_refused(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    try:
+        os.setxattr(tmp_path, "user.flowopt_probe", b"1")
+    except OSError:
+        pytest.skip("this file system has no user xattrs, so the case cannot be observed here")
+    run(f"import os\nos.setxattr({str(victim)!r}, 'user.pwned', b'1')")
+    assert "user.pwned" not in os.listxattr(victim)
+
+
+def test_symlink_out_then_write(tmp_path):
+    target = tmp_path / "symlink.txt"
+    run(f"import os\nos.symlink({str(target)!r}, 'l')\nopen('l', 'w').write('x')")
+    assert not target.exists()
+
+
+def test_exec_replaces_nothing_outside(tmp_path):
+    target = tmp_path / "exec.txt"
+    inner = f"open({str(target)!r}, 'w')"
+    run(f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', {inner!r}])")
+    assert not target.exists()
+
+
+def test_raw_syscalls_through_ctypes_are_refused(tmp_path):
+    """ctypes reaches the kernel directly: fork (57) and socket (41) must still fail."""
+    result = run("""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        pid = libc.syscall(57)
+        if pid == 0:
+            libc._exit(0)
+        fd = libc.syscall(41, 2, 1, 0)
+        print('fork', pid, 'socket', fd)
+    """)
+    forked, sock = (result.stdout.split() + ["?"] * 4)[1:4:2]
+    assert forked in ("-1", "?") and sock in ("-1", "?"), result.stdout
+
+
+def test_host_stdlib_cannot_be_opened_for_writing():
+    stdlib_os = Path(os.__file__).resolve()
+    before = stdlib_os.stat().st_mtime_ns
+    result = run(f"f = open({str(stdlib_os)!r}, 'ab'); f.close(); print('opened')")
+    assert "opened" not in result.stdout
+    assert stdlib_os.stat().st_mtime_ns == before
+
+
+def test_disk_fill_is_bounded_by_the_work_folder():
+    result = run("""
+        written = 0
+        try:
+            for i in range(24):
+                with open(f'fill{i}', 'wb') as f:
+                    for _ in range(8):
+                        f.write(b'0' * 2**20)
+                        written += 2**20
+        except (OSError, MemoryError):
+            pass
+        print(written // 2**20)
+    """, timeout_s=20)
+    assert int(result.stdout.split()[-1]) <= 72, result.stdout
+
+
+# --- 3. the parent's secrets ----------------------------------------------------------------------
+
+def test_parent_environment_is_unreadable_through_programmer(tmp_path):
+    """The issue's case: generated code reads /proc/<ppid>/environ (and every other environ) of the
+    process running Programmer, whose environment holds an API key."""
+    secret = f"sk-flowopt-secret-{uuid.uuid4().hex}"
+    code = ("import glob, os\\nfound = []\\n"
+            "for p in ['/proc/%d/environ' % os.getppid()] + glob.glob('/proc/*/environ'):\\n"
+            "    try: found.append(open(p, 'rb').read().decode('latin-1'))\\n"
+            "    except Exception: pass\\n"
+            "print(repr(found))")
+    script = textwrap.dedent(f"""
+        import dspy
+        from flowopt.modules import Programmer
+        from flowopt.testing import scripted_lm
+        dspy.configure(lm=scripted_lm(lambda r: {{"reasoning": "r", "code": "{code}"}}, cache=False))
+        print("ANSWER", Programmer("question -> answer", on_failure="empty")(question="q").answer)
+    """)
+    env = {**os.environ, "OPENAI_API_KEY": secret, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert "ANSWER" in out.stdout, out.stderr[-2000:]
+    assert secret not in out.stdout
+
+
+def test_the_sandbox_environment_is_empty(monkeypatch):
+    secret = f"sk-flowopt-secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("OPENAI_API_KEY", secret)
+    result = run("import os\nprint(sorted(os.environ))\nprint(open('/proc/self/environ', 'rb').read())")
+    assert result.ok, result.stderr
+    assert secret not in result.stdout
+    names = eval(result.stdout.splitlines()[0])  # a sorted list literal printed by the child
+    assert set(names) <= {"LC_CTYPE"}, names
+
+
+def test_files_outside_cannot_be_read(tmp_path):
+    secret_file = tmp_path / "id_rsa"
+    secret = f"-----BEGIN KEY----- {uuid.uuid4().hex}"
+    secret_file.write_text(secret)
+    result = run(f"""
+        for path in ({str(secret_file)!r}, {str(REPO / 'pyproject.toml')!r}, '/etc/passwd', '/etc/shadow'):
+            try:
+                print(open(path).read()[:200])
+            except OSError as exc:
+                print('refused', path)
+    """)
+    assert secret not in result.stdout
+    assert "[project]" not in result.stdout and "root:" not in result.stdout
+
+
+def test_the_users_home_is_not_visible():
+    home = Path.home()
+    stdlib = Path(sysconfig.get_path("stdlib")).resolve()
+    # Only the folders on the way to the interpreter may exist inside (as empty mount points).
+    allowed = {stdlib.relative_to(home).parts[0]} if stdlib.is_relative_to(home) else set()
+    result = run(f"""
+        import os
+        home = {str(home)!r}
+        print(sorted(os.listdir(home)) if os.path.isdir(home) else [])
+        for sub in ('.ssh', '.config', '.cache', '.netrc', '.bash_history'):
+            print(sub, os.path.exists(os.path.join(home, sub)))
+    """)
+    lines = result.stdout.splitlines()
+    assert lines, result.stderr
+    visible = set(eval(lines[0]))  # a sorted list literal printed by the child
+    assert visible <= allowed, visible - allowed
+    assert all(line.endswith("False") for line in lines[1:]), lines
+
+
+def test_installed_packages_are_not_visible():
+    """Only the standard library is mounted: neither the venv's nor the base install's site-packages."""
+    paths = {sysconfig.get_path("purelib"), str(Path(sysconfig.get_path("stdlib")) / "site-packages")}
+    result = run(f"""
+        import os
+        for path in {sorted(paths)!r}:
+            print(path, len(os.listdir(path)) if os.path.isdir(path) else 0)
+    """)
+    assert result.stdout.strip(), result.stderr
+    assert all(line.endswith(" 0") for line in result.stdout.splitlines()), result.stdout
+
+
+def test_code_runs_without_privileges():
+    result = run("""
+        import os
+        caps = [l.split()[1] for l in open('/proc/self/status') if l.startswith(('CapEff', 'CapPrm'))]
+        print(os.getuid(), *caps)
+    """)
+    uid, *caps = result.stdout.split()
+    assert uid != "0" and caps and all(int(c, 16) == 0 for c in caps), result.stdout
+
+
+def test_host_processes_cannot_be_signalled():
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        run(f"""
+            import os, signal
+            pid = {sleeper.pid}
+            for attempt in (lambda: os.kill(pid, 9),
+                            lambda: signal.pidfd_send_signal(os.pidfd_open(pid), 9),
+                            lambda: __import__('ctypes').CDLL(None).kill(pid, 9)):
+                try:
+                    attempt()
+                except Exception as exc:
+                    print(type(exc).__name__)
+        """)
+        time.sleep(0.2)
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+# --- 4. runaway children --------------------------------------------------------------------------
+
+def test_setsid_grandchild_does_not_survive_the_timeout():
+    marker = f"flowopt-survivor-{uuid.uuid4().hex}"
+    try:
+        run(SPAWN + f"""
+try:
+    spawn([sys.executable, '-c', 'import os, time; os.close(1); os.close(2); os.setsid(); time.sleep(20)  # {marker}'])
+except Exception as exc:
+    print(type(exc).__name__)
+import time; time.sleep(30)
+""", timeout_s=1.5)
+        time.sleep(0.5)
+        assert _alive_with(marker) == []
+    finally:
+        _kill_all(_alive_with(marker))
+
+
+def test_a_grandchild_holding_the_pipe_does_not_delay_the_return():
+    marker = f"flowopt-holder-{uuid.uuid4().hex}"
+    try:
+        start = time.monotonic()
+        result = run(SPAWN + f"""
+try:
+    spawn([sys.executable, '-c', 'import os, time; os.setsid(); time.sleep(12)  # {marker}'])
+except Exception as exc:
+    print(type(exc).__name__)
+import time; time.sleep(30)
+""", timeout_s=2)
+        elapsed = time.monotonic() - start
+        assert result.timed_out
+        assert elapsed < 5.0, elapsed
+    finally:
+        _kill_all(_alive_with(marker))
+
+
+def test_closing_the_pipes_does_not_escape_the_timeout():
+    start = time.monotonic()
+    result = run("import os\nos.close(1)\nos.close(2)\nwhile True:\n    pass", timeout_s=1.5)
+    assert result.timed_out and time.monotonic() - start < 4.5
+
+
+def test_stdout_flood_is_capped_and_returns_promptly():
+    before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    result = run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", timeout_s=3)
+    elapsed = time.monotonic() - start
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kb) / 1024
+    assert not result.ok
+    assert len(result.stdout) <= 2 * 2**20, len(result.stdout)
+    assert elapsed < 6.0, elapsed
+    assert grown_mb < 200, grown_mb
+
+
+def test_invalid_utf8_output_never_raises_in_the_parent():
+    result = run("import sys\nsys.stdout.buffer.write(b'\\xff\\xfe ok\\n')\nsys.stderr.buffer.write(b'\\xc3(')")
+    assert result.ok and "ok" in result.stdout and "\ufffd" in result.stdout
+
+
+def test_invalid_utf8_through_programmer_with_on_failure_empty():
+    import dspy
+
+    from flowopt.modules import Programmer
+    from flowopt.testing import scripted_lm
+
+    code = "import sys\nsys.stdout.buffer.write(b'\\xff\\n')\nsys.stderr.buffer.write(b'\\xfe')\nsys.exit(1)"
+    dspy.configure(lm=scripted_lm(lambda r: {"reasoning": "r", "code": code}, cache=False))
+    out = Programmer("question -> answer", max_attempts=1, on_failure="empty")(question="q")
+    assert out.answer == ""
+
+
+def test_fork_bomb_is_contained():
+    marker = f"flowopt-bomb-{uuid.uuid4().hex}"
+    try:
+        start = time.monotonic()
+        result = run(SPAWN + f"""
+import os
+started = 0
+for _ in range(40):
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        started += 1
+    except Exception:
+        pass
+    try:
+        spawn(['/bin/sh', '-c', 'sleep 4; : {marker}'] if os.path.exists('/bin/sh')
+              else [sys.executable, '-c', 'import time; time.sleep(4)  # {marker}'])
+        started += 1
+    except Exception:
+        pass
+print('started', started)
+""", timeout_s=5)
+        assert time.monotonic() - start < 8
+        started = int(result.stdout.split()[-1]) if "started" in result.stdout else 0
+        assert started < 8, result.stdout
+        assert _alive_with(marker) == []
+    finally:
+        _kill_all(_alive_with(marker))
+
+
+# --- 5. the network -------------------------------------------------------------------------------
+
+def _accepting(server: socket.socket) -> list:
+    accepted: list = []
+
+    def loop() -> None:
+        with contextlib.suppress(OSError):
+            accepted.append(server.accept())
+
+    threading.Thread(target=loop, daemon=True).start()
+    return accepted
+
+
+def test_tcp_to_a_host_port_connects_nowhere():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        accepted = _accepting(server)
+        result = run(f"""
+            import socket
+            socket.create_connection(('127.0.0.1', {server.getsockname()[1]}), timeout=2)
+            print('connected')
+        """)
+        time.sleep(0.2)
+    assert "connected" not in result.stdout and accepted == []
+
+
+def test_udp_to_a_host_port_sends_nothing():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.settimeout(0.5)
+        run(f"import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', "
+            f"('127.0.0.1', {server.getsockname()[1]}))")
+        with pytest.raises(TimeoutError):
+            server.recvfrom(16)
+
+
+def test_unix_socket_on_the_host_file_system_is_unreachable(tmp_path):
+    path = str(tmp_path / "host.sock")
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        server.listen(1)
+        accepted = _accepting(server)
+        result = run(f"import socket\nsocket.socket(socket.AF_UNIX).connect({path!r})\nprint('connected')")
+        time.sleep(0.2)
+    assert "connected" not in result.stdout and accepted == []
+
+
+def test_abstract_unix_socket_on_the_host_is_unreachable():
+    name = f"\0flowopt-test-{uuid.uuid4().hex}"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(name)
+        server.listen(1)
+        accepted = _accepting(server)
+        result = run(f"import socket\nsocket.socket(socket.AF_UNIX).connect({name!r})\nprint('connected')")
+        time.sleep(0.2)
+    assert "connected" not in result.stdout and accepted == []
