@@ -24,6 +24,7 @@ from typing import Any
 
 from flowopt.benchmarks import cue_word
 from flowopt.benchmarks.perf.harness import PerfParser, markdown_table, setup_logging, start_run
+from flowopt.io import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 SMOKE = {"train": 4, "heldout": 4, "sft_epochs": 1, "grpo_steps": 1, "batch": 2, "group": 2}
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         plot = Path(tmp) / "grpo" / "reward_curve.png"
         figure = run.sibling("_reward_curve.png")
         if plot.is_file():
-            figure.write_bytes(plot.read_bytes())
+            atomic_write_bytes(figure, plot.read_bytes())
 
     curve = results["grpo_curve"]
     rows = [["base model (no training)", f"{results['base_heldout']:.3f}", f"eval {results['eval_s']}"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 
 import dspy
 import pytest
@@ -131,3 +132,15 @@ def test_read_results_names_what_is_wrong(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(payload))
     with pytest.raises(DataError, match="git"):
         read_results(tmp_path / "bad")
+
+
+def test_the_module_docstring_example_runs(tmp_path):
+    from flowopt.benchmarks.perf import harness
+
+    code = textwrap.dedent(harness.__doc__.split("::\n")[1].split("\nExtra outputs")[0])
+    namespace = {"__name__": "example", "ours": lambda n: sum(range(n)), "peer": lambda n: sum(range(2 * n))}
+    exec(code, namespace)
+    assert namespace["main"](["--smoke", "--out", str(tmp_path / "my_bench")]) == 0
+    payload = read_results(tmp_path / "my_bench")
+    assert payload["settings"]["size"] == 10 and payload["results"]["seconds"]["ours"]["n"] == 1
+    assert payload["goals"][0]["name"] == "time ratio ours / peer"

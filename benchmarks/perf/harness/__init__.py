@@ -7,6 +7,8 @@ commit, load average before and after) and write ``STEM.json`` (schema ``flowopt
 
 A new script ``benchmarks/perf/my_bench.py``, run as ``python -m flowopt.benchmarks.perf.my_bench``::
 
+    import statistics
+
     from flowopt.benchmarks.perf.harness import (Goal, PerfParser, interleaved, markdown_table, setup_logging,
                                                  spread, start_run, timed)
 
@@ -20,7 +22,7 @@ A new script ``benchmarks/perf/my_bench.py``, run as ``python -m flowopt.benchma
         runs = interleaved({"ours": lambda: timed(lambda: ours(args.size))[1],
                             "peer": lambda: timed(lambda: peer(args.size))[1]}, args.repeats, warmup=1)
         seconds = {name: spread(values) for name, values in runs.items()}
-        ratio = seconds["ours"]["median"] / seconds["peer"]["median"]
+        ratio = statistics.median(runs["ours"]) / statistics.median(runs["peer"])
         rows = [[name, s["median"], s["values"]] for name, s in seconds.items()]
         run.finish("ours vs peer", results={"seconds": seconds, "ratio": ratio},
                    body=markdown_table(["side", "median s", "repeats (s)"], rows, align="lrl"),
@@ -30,7 +32,9 @@ A new script ``benchmarks/perf/my_bench.py``, run as ``python -m flowopt.benchma
     if __name__ == "__main__":
         raise SystemExit(main())
 
-The results are read back, schema-checked, with :func:`read_results`.
+Extra outputs go beside the results (``run.sibling("_curve.png")``); :func:`read_results` reads a file
+back and checks the schema. A script that adopts the harness gets a case in ``SCRIPTS`` of
+``tests/benchmarks/test_perf_smoke.py`` (and leaves ``NOT_ON_HARNESS`` there), so its ``--smoke`` run is tested.
 """
 
 from .cli import RESULTS_DIR, PerfParser, setup_logging, start_run

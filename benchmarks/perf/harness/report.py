@@ -90,6 +90,12 @@ class PerfRun:
     """One run of a perf script, from its start (load average before) to its results files.
 
     Made by :func:`~.cli.start_run`; :meth:`finish` writes ``out.json`` and ``out.md``.
+
+    Example:
+        >>> run = PerfRun(script="demo", command="python -m flowopt.benchmarks.perf.demo", args=None,
+        ...               out=Path("/tmp/demo"))
+        >>> run.sibling("_curve.png")
+        PosixPath('/tmp/demo_curve.png')
     """
 
     script: str

@@ -50,7 +50,7 @@ def median_seconds(fn: Callable[[], Any], repeats: int, *, warmup: int = 1) -> f
     return statistics.median(timed(fn)[1] for _ in range(max(1, repeats)))
 
 
-def spread(values: Sequence[float], digits: int = 4) -> dict[str, Any]:
+def spread(values: Sequence[float], digits: int = 6) -> dict[str, Any]:
     """``{"median", "min", "max", "n", "values"}`` of the repeats, rounded, for the results file."""
     if not values:
         raise ValueError("spread() needs at least one value")
