@@ -14,30 +14,30 @@ bootstraps drawn as BFRS draws them, ``extra=0``; its incumbent and zero-shot ca
 programs above again and cost nothing, their scores being memoised). The "defaults" row adds the
 search's default extras (optuna-sampled candidates paid for by what pruning saved), for reference.
 
-Run:  .venv/bin/python benchmarks/perf/compile_vs_dspy.py [--latency 0.05] [--candidates 8] [--threads 8]
-Writes benchmarks/results/compile_vs_dspy.{json,md}.
+Run:  python -m flowopt.benchmarks.perf.compile_vs_dspy [--latency 0.05] [--candidates 8] [--threads 8]
+Writes benchmarks/results/compile_vs_dspy.{json,md} (``--out STEM``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import platform
-import time
-from pathlib import Path
+import random
+from typing import Any
 
 import dspy
 
+from flowopt.benchmarks.perf.harness import Goal, PerfParser, markdown_table, setup_logging, start_run, timed
+
 CATS = "abcd"
+SMOKE = {"latency": 0.0, "candidates": 2, "threads": 2, "max_demos": 2, "train": 8, "val": 8}
 
 
 def reverse(q: str) -> str:
     return "#" + q[::-1]
 
 
-def make_lm(latency: float):
+def make_lm(latency: float) -> dspy.LM:
     from flowopt.testing import scripted_lm
 
     def answer(req):
@@ -50,8 +50,6 @@ def make_lm(latency: float):
 
 
 def data(n: int, start: int) -> list[dspy.Example]:
-    import random
-
     out = []
     ids = list(range(start, start + n))
     random.Random(start).shuffle(ids)  # no category pattern in the order that either optimizer could ride on
@@ -77,7 +75,7 @@ def score(program, valset, lm) -> float:
         return Evaluator(metric, num_threads=16).evaluate(program, valset).score
 
 
-def run_dspy(args, train, val):
+def run_dspy(args: argparse.Namespace, train: list[dspy.Example], val: list[dspy.Example]) -> dict[str, Any]:
     from dspy.teleprompt import BootstrapFewShotWithRandomSearch
 
     fresh_cache()
@@ -85,16 +83,15 @@ def run_dspy(args, train, val):
     opt = BootstrapFewShotWithRandomSearch(metric=metric, max_bootstrapped_demos=args.max_demos,
                                            max_labeled_demos=args.max_demos, num_candidate_programs=args.candidates,
                                            num_threads=args.threads)
-    start = time.perf_counter()
     with dspy.context(lm=lm):
-        out = opt.compile(dspy.Predict("question -> answer"), trainset=train, valset=val)
-    wall = time.perf_counter() - start
+        out, wall = timed(lambda: opt.compile(dspy.Predict("question -> answer"), trainset=train, valset=val))
     # BFRS scores num_candidate_programs + 3 programs (zero-shot, labeled, unshuffled bootstrap).
     return {"wall_s": wall, "val_score": score(out, val, lm), "lm_calls": lm.engine.calls,
             "candidates": args.candidates + 3}
 
 
-def run_flowopt(args, train, val, *, mirror: bool = True):
+def run_flowopt(args: argparse.Namespace, train: list[dspy.Example], val: list[dspy.Example], *,
+                mirror: bool = True) -> dict[str, Any]:
     import flowopt
     from flowopt.optimizers.demos import BootstrapFewShot
     from flowopt.optimizers.search import RandomSearch
@@ -106,11 +103,9 @@ def run_flowopt(args, train, val, *, mirror: bool = True):
     stages = [BootstrapFewShot(max_bootstrapped_demos=args.max_demos, max_labeled_demos=args.max_demos),
               RandomSearch(n_candidates=args.candidates + 3, extra=0 if mirror else None,
                            max_demos=args.max_demos, max_labeled_demos=args.max_demos)]
-    start = time.perf_counter()
     with dspy.context(lm=lm):
-        out = flowopt.compile(dspy.Predict("question -> answer"), train, metric, valset=val, stages=stages,
-                              num_threads=args.threads, quiet=True)
-    wall = time.perf_counter() - start
+        out, wall = timed(lambda: flowopt.compile(dspy.Predict("question -> answer"), train, metric, valset=val,
+                                                  stages=stages, num_threads=args.threads, quiet=True))
     search = out.report.stage("search")
     # Distinct programs scored: the baseline, the demos stage, and the search's candidates minus its
     # incumbent and zero-shot candidates (the same two programs again, answered from the score memo).
@@ -120,17 +115,37 @@ def run_flowopt(args, train, val, *, mirror: bool = True):
             "report": out.report.to_dict()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+WHY = [
+    "Why flowopt used to score lower (0.750): its search drew every candidate's demos from one pool",
+    "bootstrapped by one teacher. That teacher's labeled demos covered three of the four categories, so",
+    "the pool held traces of those three only, and labeled examples never entered it: no candidate could",
+    "cover the fourth. BFRS builds a new teacher from each shuffled trainset and tops demos up with labeled",
+    "examples; its best candidates (seeds 3 and 6) reach 1.0 that way. flowopt's search now starts with",
+    "the same seeded candidates (drawn with the same random draws for seed 0) and pools their demos.",
+    "",
+    "Where the time goes: DSPy bootstraps each candidate one training example at a time and scores every",
+    "candidate on the whole valset, one candidate after another. flowopt bootstraps all candidates at once",
+    "(each round launching only the examples still needed, so the same calls as DSPy's loop), races the",
+    "candidates together on one pool of the same number of threads, on growing prefixes of the valset",
+    "(first rung max(20, 25%)), pruning a candidate only when a paired test says it trails the leader at",
+    "one-sided 95% (McNemar; ties never prune), re-scores close finalists on unused training examples, and",
+    "never pays twice for a score",
+    "(memo by program state: the search's incumbent and zero-shot, and the final check, are free). No",
+    "run_dir is given, so the optuna study is in memory in both runs of flowopt.",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = PerfParser("compile_vs_dspy", __doc__, smoke=SMOKE)
     parser.add_argument("--latency", type=float, default=0.05)
     parser.add_argument("--candidates", type=int, default=8)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--max-demos", type=int, default=4)
     parser.add_argument("--train", type=int, default=40)
     parser.add_argument("--val", type=int, default=60)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
-    args = parser.parse_args()
-    logging.disable(logging.WARNING)
+    run = start_run(parser, argv)
+    setup_logging()
+    args = run.args
     train, val = data(args.train, 0), data(args.val, 1000)
 
     # Warm up imports and DSPy's first-call set-up outside the timings.
@@ -138,68 +153,37 @@ def main() -> None:
         dspy.Predict("question -> answer")(question="warm-up")
     import optuna  # noqa: F401
 
-    dspy_result = run_dspy(args, train, val)
-    flowopt_result = run_flowopt(args, train, val)
-    default_result = run_flowopt(args, train, val, mirror=False)
+    logging.disable(logging.WARNING)  # the optimizers' progress lines, during the timed runs only
+    try:
+        dspy_result = run_dspy(args, train, val)
+        flowopt_result = run_flowopt(args, train, val)
+        default_result = run_flowopt(args, train, val, mirror=False)
+    finally:
+        logging.disable(logging.NOTSET)
     ratio = flowopt_result["wall_s"] / dspy_result["wall_s"]
-    machine = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-               "processor": platform.processor() or platform.machine(), "dspy": dspy.__version__,
-               "load_average": os.getloadavg()}
-    command = (f".venv/bin/python benchmarks/perf/compile_vs_dspy.py --latency {args.latency} --candidates "
-               f"{args.candidates} --threads {args.threads} --max-demos {args.max_demos} --train {args.train} "
-               f"--val {args.val}")
-    result = {"command": command, "machine": machine, "settings": vars(args) | {"out": str(args.out)},
-              "dspy_bfrs": dspy_result, "flowopt": flowopt_result, "flowopt_defaults": default_result,
-              "wall_ratio": ratio, "wall_ratio_defaults": default_result["wall_s"] / dspy_result["wall_s"],
-              "goal_met": ratio <= 0.5 and flowopt_result["val_score"] >= dspy_result["val_score"]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compile_vs_dspy.json").write_text(json.dumps(result, indent=2) + "\n")
-    md = [
-        "# compile vs DSPy BootstrapFewShotWithRandomSearch",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"Machine: {machine['platform']}, {machine['cpus']} CPUs, Python {machine['python']}, DSPy {machine['dspy']}; "
-        f"load average {machine['load_average'][0]:.1f} at the end (shared machine: wall times are noisy).",
+    results = {"dspy_bfrs": dspy_result, "flowopt": flowopt_result, "flowopt_defaults": default_result,
+               "wall_ratio": ratio, "wall_ratio_defaults": default_result["wall_s"] / dspy_result["wall_s"]}
+    rows = [["DSPy BootstrapFewShotWithRandomSearch", dspy_result["candidates"], f"{dspy_result['wall_s']:.2f}",
+             dspy_result["lm_calls"], f"{dspy_result['val_score']:.3f}"],
+            *([f"flowopt demos + search, {tag}", f"{r['candidates']} ({r['pruned']} pruned)", f"{r['wall_s']:.2f}",
+               r["lm_calls"], f"{r['val_score']:.3f}"]
+              for tag, r in (("same candidates (`extra=0`)", flowopt_result), ("search defaults", default_result)))]
+    body = [
         f"Fake LM: fixed {args.latency * 1000:.0f} ms latency per real call, deterministic answers, LM cache on "
         "(in-memory, emptied before each run). Same program, trainset "
-        f"({args.train}), valset ({args.val}), {args.threads} threads.",
+        f"({args.train}), valset ({args.val}), {args.threads} threads.", "",
+        *markdown_table(["optimizer", "candidates", "wall s", "real LM calls", "val score"], rows, align="lrrrr"),
         "",
-        "| optimizer | candidates | wall s | real LM calls | val score |",
-        "|---|---|---|---|---|",
-        f"| DSPy BootstrapFewShotWithRandomSearch | {dspy_result['candidates']} | {dspy_result['wall_s']:.2f} | "
-        f"{dspy_result['lm_calls']} | {dspy_result['val_score']:.3f} |",
-        *(f"| flowopt demos + search, {tag} | {r['candidates']} ({r['pruned']} pruned) | "
-          f"{r['wall_s']:.2f} | {r['lm_calls']} | {r['val_score']:.3f} |"
-          for tag, r in (("same candidates (`extra=0`)", flowopt_result), ("search defaults", default_result))),
-        "",
-        f"Wall-time ratio flowopt / DSPy, same candidates: **{ratio:.2f}** (goal <= 0.5 at an equal or better "
-        f"score: {'met' if result['goal_met'] else 'NOT met'}); with the search's defaults: "
-        f"{result['wall_ratio_defaults']:.2f} at score {default_result['val_score']:.3f}.",
-        "",
-        "Why flowopt used to score lower (0.750): its search drew every candidate's demos from one pool",
-        "bootstrapped by one teacher. That teacher's labeled demos covered three of the four categories, so",
-        "the pool held traces of those three only, and labeled examples never entered it: no candidate could",
-        "cover the fourth. BFRS builds a new teacher from each shuffled trainset and tops demos up with labeled",
-        "examples; its best candidates (seeds 3 and 6) reach 1.0 that way. flowopt's search now starts with",
-        "the same seeded candidates (drawn with the same random draws for seed 0) and pools their demos.",
-        "",
-        "Where the time goes: DSPy bootstraps each candidate one training example at a time and scores every",
-        "candidate on the whole valset, one candidate after another. flowopt bootstraps all candidates at once",
-        "(each round launching only the examples still needed, so the same calls as DSPy's loop), races the",
-        "candidates together on one pool of the same number of threads, on growing prefixes of the valset",
-        "(first rung max(20, 25%)), pruning a candidate only when a paired test says it trails the leader at",
-        "one-sided 95% (McNemar; ties never prune), re-scores close finalists on unused training examples, and",
-        "never pays twice for a score",
-        "(memo by program state: the search's incumbent and zero-shot, and the final check, are free). No",
-        "run_dir is given, so the optuna study is in memory in both runs of flowopt.",
-        "",
+        f"Wall-time ratio flowopt / DSPy, same candidates: **{ratio:.2f}**; with the search's defaults: "
+        f"{results['wall_ratio_defaults']:.2f} at score {default_result['val_score']:.3f}.", "",
+        *WHY,
     ]
-    (args.out / "compile_vs_dspy.md").write_text("\n".join(md))
-    logging.disable(logging.NOTSET)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger(__name__).info("\n".join(md))
+    goals = [Goal.at_most("wall-time ratio flowopt / DSPy, same candidates", round(ratio, 3), 0.5),
+             Goal.at_least("flowopt val score minus DSPy's", round(flowopt_result["val_score"]
+                                                                   - dspy_result["val_score"], 3), 0.0)]
+    run.finish("compile vs DSPy BootstrapFewShotWithRandomSearch", results, body, goals=goals)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

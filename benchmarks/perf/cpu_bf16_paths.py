@@ -1,48 +1,30 @@
 """Why LocalLM picks bf16 on this CPU, and what the contiguous lm_head input saves: Gemma 3 270M timings.
 
-Run: python benchmarks/perf/cpu_bf16_paths.py [--repeats 3]
-Writes benchmarks/results/cpu_bf16_paths.{json,md}. Four measurements, each float32 against bf16 where
-that applies (median of ``--repeats``):
+Run: python -m flowopt.benchmarks.perf.cpu_bf16_paths [--repeats 3]
+Writes benchmarks/results/cpu_bf16_paths.{json,md} (``--out STEM``). Four measurements, each float32
+against bf16 where that applies (median of ``--repeats``):
 
 1. a greedy decode step of Gemma 3 270M at batch 1 and 8 (``model.generate`` on GSM8K prompts, the time
-   of 33 new tokens minus the time of 1, over 32);
+   of ``--decode-tokens`` (33) new tokens minus the time of 1, over 32);
 2. the 262k x 640 output projection alone on 1 and 8 rows;
 3. that projection on a strided ``[8, 8, 640]`` slice (what transformers hands ``lm_head``) with a frozen
    weight, as under a LoRA adapter, against the same slice made contiguous;
-4. a GRPO-sized training forward and backward (32 sequences of 85 prompt + 7 completion tokens) with a
-   LoRA adapter attached, through ``completion_logprobs``, with and without the contiguous-input hook.
+4. a GRPO-sized training forward and backward (``--train-rows`` (32) sequences of 85 prompt + 7
+   completion tokens) with a LoRA adapter attached, through ``completion_logprobs``, with and without
+   the contiguous-input hook.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import statistics
-import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flowopt.benchmarks.perf.harness import PerfParser, markdown_table, median_seconds, setup_logging, start_run
+from flowopt.benchmarks.perf.lm_workload import gsm8k_prompts
 
-from lm_throughput import prompts  # noqa: E402  (a sibling script, not a package)
-
-
-def median_s(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
+SMOKE = {"repeats": 1, "decode_tokens": 3, "train_rows": 2}
 
 
-def decode_step_ms(local: Any, ids: list[list[int]], repeats: int) -> float:
+def decode_step_ms(local: Any, ids: list[list[int]], repeats: int, tokens: int) -> float:
     import torch
 
     width = max(len(p) for p in ids)
@@ -57,14 +39,20 @@ def decode_step_ms(local: Any, ids: list[list[int]], repeats: int) -> float:
             local.model.generate(input_ids=x, attention_mask=mask, do_sample=False, max_new_tokens=new,
                                  min_new_tokens=new, pad_token_id=0)
 
-    return (median_s(lambda: run(33), repeats) - median_s(lambda: run(1), repeats)) / 32 * 1000
+    long, short = median_seconds(lambda: run(tokens), repeats), median_seconds(lambda: run(1), repeats)
+    return (long - short) / (tokens - 1) * 1000
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = PerfParser("cpu_bf16_paths", __doc__, smoke=SMOKE)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS / "cpu_bf16_paths")
-    args = parser.parse_args(argv)
+    parser.add_argument("--decode-tokens", type=int, default=33, help="new tokens of the long decode (>= 2)")
+    parser.add_argument("--train-rows", type=int, default=32, help="sequences in the LoRA training step")
+    run = start_run(parser, argv)
+    setup_logging()
+    args = run.args
+    if args.decode_tokens < 2:
+        parser.error("--decode-tokens must be >= 2: a step is (time of N tokens - time of 1) / (N - 1)")
     import torch
 
     from flowopt.lm import LocalLM
@@ -74,24 +62,26 @@ def main(argv: list[str] | None = None) -> int:
 
     r = args.repeats
     out: dict[str, Any] = {}
-    texts = prompts(8)
+    texts = gsm8k_prompts(8)
     for dtype in ("float32", "bfloat16"):
         local = LocalLM("gemma-3-270m", dtype=dtype, progress=False)
         ids = [local.render(t) for t in texts]
-        out[f"decode_step_ms_{dtype}"] = {b: round(decode_step_ms(local, ids[:b], r), 1) for b in (1, 8)}
+        out[f"decode_step_ms_{dtype}"] = {b: round(decode_step_ms(local, ids[:b], r, args.decode_tokens), 1)
+                                          for b in (1, 8)}
         weight = local.base_model.get_output_embeddings().weight.detach()  # frozen, as under LoRA
-        out[f"lm_head_ms_{dtype}"] = {b: round(median_s(lambda b=b, w=weight: torch.nn.functional.linear(
+        out[f"lm_head_ms_{dtype}"] = {b: round(median_seconds(lambda b=b, w=weight: torch.nn.functional.linear(
             torch.randn(b, 640, dtype=w.dtype), w), r) * 1000, 1) for b in (1, 8)}
         local.close()
 
     weight = torch.randn(262144, 640).bfloat16()  # requires_grad False
     strided = torch.randn(8, 92, 640).bfloat16()[:, -8:, :]
-    out["lm_head_strided_bf16_frozen_ms"] = round(median_s(lambda: torch.nn.functional.linear(strided, weight), r)
-                                                  * 1000, 1)
+    out["lm_head_strided_bf16_frozen_ms"] = round(
+        median_seconds(lambda: torch.nn.functional.linear(strided, weight), r) * 1000, 1)
     out["lm_head_contiguous_bf16_frozen_ms"] = round(
-        median_s(lambda: torch.nn.functional.linear(strided.contiguous(), weight), r) * 1000, 1)
+        median_seconds(lambda: torch.nn.functional.linear(strided.contiguous(), weight), r) * 1000, 1)
 
-    batch = pack([list(range(1000, 1085))] * 32, [list(range(2000, 2007))] * 32, 0)
+    rows = args.train_rows
+    batch = pack([list(range(1000, 1085))] * rows, [list(range(2000, 2007))] * rows, 0)
     for dtype in ("float32", "bfloat16"):
         for hook in (True, False):
             if dtype == "float32" and not hook:
@@ -108,42 +98,34 @@ def main(argv: list[str] | None = None) -> int:
                     completion_logprobs(policy.model, batch).sum().backward()
 
             key = f"lora_train_forward_backward_s_{dtype}" + ("" if hook else "_without_hook")
-            out[key] = round(median_s(train_step, max(1, r - 1)), 2)
+            out[key] = round(median_seconds(train_step, max(1, r - 1)), 2)
             local.close()
 
-    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-               "torch_threads": torch.get_num_threads(), "native_bf16": cpu_has_native_bf16()}
-    command = "python benchmarks/perf/cpu_bf16_paths.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    payload = {"command": command.strip(), "machine": machine, "repeats": r, "results": out}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+    out["native_bf16"] = cpu_has_native_bf16()
     d32, d16 = out["decode_step_ms_float32"], out["decode_step_ms_bfloat16"]
     h32, h16 = out["lm_head_ms_float32"], out["lm_head_ms_bfloat16"]
-    lines = [
-        "# Gemma 3 270M on this CPU: float32 vs bf16, and the strided lm_head input", "",
-        f"Command: `{payload['command']}`", "",
-        f"Machine: {machine['platform']}, {machine['cpus']} CPUs, torch {machine['torch']} with "
-        f"{machine['torch_threads']} threads, native bf16: {machine['native_bf16']}. Median of {r} repeats.", "",
-        "| measurement | float32 | bf16 |", "|---|---:|---:|",
-        f"| decode step, batch 1 (ms) | {d32[1]} | {d16[1]} |",
-        f"| decode step, batch 8 (ms) | {d32[8]} | {d16[8]} |",
-        f"| output projection alone, 1 row (ms) | {h32[1]} | {h16[1]} |",
-        f"| output projection alone, 8 rows (ms) | {h32[8]} | {h16[8]} |",
-        f"| LoRA training forward + backward, 32 x 92 tokens (s) | "
-        f"{out['lora_train_forward_backward_s_float32']} | {out['lora_train_forward_backward_s_bfloat16']} |", "",
+    body = [
+        f"Native bf16 on this CPU: {out['native_bf16']}. Median of {r} repeats.", "",
+        *markdown_table(["measurement", "float32", "bf16"], [
+            ["decode step, batch 1 (ms)", d32[1], d16[1]],
+            ["decode step, batch 8 (ms)", d32[8], d16[8]],
+            ["output projection alone, 1 row (ms)", h32[1], h16[1]],
+            ["output projection alone, 8 rows (ms)", h32[8], h16[8]],
+            [f"LoRA training forward + backward, {rows} x 92 tokens (s)",
+             out["lora_train_forward_backward_s_float32"], out["lora_train_forward_backward_s_bfloat16"]],
+        ], align="lrr"), "",
         "The strided input (bf16, frozen 262k x 640 weight, an [8, 8, 640] slice of [8, 92, 640]):", "",
-        "| input | ms |", "|---|---:|",
-        f"| strided, as transformers passes it | {out['lm_head_strided_bf16_frozen_ms']} |",
-        f"| made contiguous (LocalLM's lm_head pre-hook) | {out['lm_head_contiguous_bf16_frozen_ms']} |",
-        "",
+        *markdown_table(["input", "ms"], [
+            ["strided, as transformers passes it", out["lm_head_strided_bf16_frozen_ms"]],
+            ["made contiguous (LocalLM's lm_head pre-hook)", out["lm_head_contiguous_bf16_frozen_ms"]],
+        ], align="lr"), "",
         f"LoRA training forward + backward in bf16 without the hook: "
         f"{out['lora_train_forward_backward_s_bfloat16_without_hook']} s (with it: "
         f"{out['lora_train_forward_backward_s_bfloat16']} s).",
     ]
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    run.finish("Gemma 3 270M on this CPU: float32 vs bf16, and the strided lm_head input", out, body)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -13,30 +13,31 @@ advantages, one optimizer step of the clipped surrogate with the k3 KL to the ad
 Each implementation starts from the same randomly initialised weights; warm-up steps are not timed;
 implementations are interleaved over ``--repeats`` rounds and the median is reported.
 
-Run (CPU):  python benchmarks/perf/grpo_throughput.py
-Run (GPU):  python benchmarks/perf/grpo_throughput.py --model gemma-shaped --device cuda --batch 8 --group 8 \
-                --completion 64 --out-name grpo_throughput_gpu
-Writes benchmarks/results/<out-name>.{json,md}. Goal (issue 6): flowopt's steps/s >= TRL's.
+Run (CPU):  python -m flowopt.benchmarks.perf.grpo_throughput
+Run (GPU):  python -m flowopt.benchmarks.perf.grpo_throughput --model gemma-shaped --device cuda --batch 8 --group 8 \
+                --completion 64 --out benchmarks/results/grpo_throughput_gpu
+Writes benchmarks/results/grpo_throughput.{json,md} (``--out STEM``). Goal (issue 6): flowopt's steps/s >= TRL's.
+The task is :mod:`flowopt.benchmarks.cue_word`; TRL (``pip install -e ".[bench]"``) is needed for its runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-COLORS = ["red", "blue", "green", "black", "white", "pink", "gold", "gray"]
-ANIMALS = ["cat", "dog", "cow", "pig", "owl", "fox", "bee", "ant"]
-NOISE = ["sun", "moon", "star", "tree", "rock", "lake", "hill", "road"]
+from flowopt.benchmarks import cue_word
+from flowopt.benchmarks.perf.harness import Goal, PerfParser, markdown_table, setup_logging, start_run
+
+logger = logging.getLogger(__name__)
+SMOKE = {"batch": 2, "group": 2, "completion": 4, "steps": 1, "warmup": 1, "repeats": 1,
+         "impls": "flowopt,stage,trl-nockpt"}
+# The prompt's labels, so the prompt is whole words for the word-level tokenizer.
 LABELS = ["Noise:", "Cue:", "Word:", "---", "Answer."]
 LORA = {"r": 16, "alpha": 32}
 LEARNING_RATE = 1e-5
@@ -49,7 +50,7 @@ def build_model(args: argparse.Namespace) -> tuple[Any, Any]:
 
     from flowopt.optimizers.weights.tiny import tiny_causal_lm, word_tokenizer
 
-    words = COLORS + ANIMALS + NOISE + LABELS
+    words = [*cue_word.COLORS, *cue_word.ANIMALS, *cue_word.NOISE, *LABELS]
     if args.model == "tiny":
         model, tokenizer = tiny_causal_lm(words, hidden_size=args.hidden, layers=args.layers, seed=0)
     else:  # Gemma 3 270M's shape with random weights: the real work of a 270M step, no download
@@ -74,17 +75,13 @@ def build_model(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def examples(n: int) -> list[dict[str, str]]:
-    rng = random.Random(0)
-    out = []
-    for _ in range(n):
-        k = rng.randrange(len(COLORS))
-        out.append({"noise": " ".join(rng.sample(NOISE, 2)), "cue": COLORS[k], "target": ANIMALS[k]})
-    return out
+    """``n`` cue -> word examples (seed 0) as plain dicts, the form TRL's dataset takes."""
+    return [{"noise": ex.noise, "cue": ex.cue, "target": ex.word} for ex in cue_word.make_examples(n, seed=0)]
 
 
 def prompt_text(example: dict[str, str]) -> str:
     """The prompt exactly as the completion adapter writes it for the DSPy program of the ``stage`` run
-    (checked against the adapter when DSPy is installed)."""
+    (checked against the adapter at the start of every run)."""
     return f"Answer.\n\n---\n\nNoise: {example['noise']}\nCue: {example['cue']}\nWord:"
 
 
@@ -96,34 +93,12 @@ def check_prompt_text() -> None:
     example = examples(1)[0]
     signature = dspy.Signature("noise, cue -> word", "Answer.")
     written = CompletionAdapter().format(signature, [], {"noise": example["noise"], "cue": example["cue"]})
-    assert written[0]["content"] == prompt_text(example), written
-
-
-def ensure_importable() -> bool:
-    """True when DSPy (hence the whole flowopt stack) is importable. Otherwise (e.g. a GPU image without
-    DSPy) register flowopt's packages as bare modules so the torch-side modules import on their own."""
-    try:
-        import dspy  # noqa: F401
-
-        return True
-    except ImportError:
-        import types
-
-        root = Path(__file__).resolve().parents[2]
-        folders = {"flowopt": root / "flowopt", "flowopt.lm": root / "flowopt" / "lm",
-                   "flowopt.optimizers": root / "optimizers",
-                   "flowopt.optimizers.weights": root / "optimizers" / "weights"}
-        for name, folder in folders.items():
-            if name not in sys.modules:
-                module = types.ModuleType(name)
-                module.__path__ = [str(folder)]
-                sys.modules[name] = module
-        return False
+    if written[0]["content"] != prompt_text(example):
+        raise RuntimeError(f"the completion adapter's prompt changed: {written[0]['content']!r}; update prompt_text")
 
 
 def reward(completion: str, target: str) -> float:
-    words = completion.split()
-    return float(bool(words) and words[0] == target)
+    return float(cue_word.first_word(completion) == target)
 
 
 def _sync(device: str) -> None:
@@ -206,13 +181,9 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     local = LocalLM.from_model(model, tokenizer, name="bench", max_new_tokens=args.completion)
     program = dspy.Predict(dspy.Signature("noise, cue -> word", "Answer."))
     program.lm = local.lm
-    trainset = [dspy.Example(noise=ex["noise"], cue=ex["cue"], word=ex["target"]).with_inputs("noise", "cue")
-                for ex in examples(64)]
+    trainset = cue_word.make_examples(64, seed=0)
 
-    def metric(example: Any, prediction: Any, trace: Any = None) -> float:
-        return reward(str(prediction.word), example.word)
-
-    ctx = StageContext(trainset=trainset, valset=[], metric=metric, budget=BudgetTracker(), seed=0,
+    ctx = StageContext(trainset=trainset, valset=[], metric=cue_word.metric, budget=BudgetTracker(), seed=0,
                        rng=random.Random(0), run_dir=None, stage_name="grpo")
     stage = GRPO(steps=args.warmup + args.steps, batch_size=args.batch, group_size=args.group,
                  max_new_tokens=args.completion, learning_rate=LEARNING_RATE, beta=args.beta, aggregation="dapo",
@@ -238,25 +209,28 @@ def run_trl(args: argparse.Namespace, checkpointing: bool = True) -> dict[str, A
     data = examples(args.batch * total)
     dataset = Dataset.from_list([{"prompt": prompt_text(ex), "target": ex["target"]} for ex in data])
 
-    def reward_fn(completions: list[str], target: list[str], **_: Any) -> list[float]:
+    def reward_fn(completions: list[str], target: list[str], **_: Any) -> list[float | None]:
         return [reward(c, t) for c, t in zip(completions, target)]
 
     times: list[float] = []
     tokens: list[float] = []
 
+    device, warmup, rows = args.device, args.warmup, args.batch * args.group
+
     class Timer(TrainerCallback):
         def on_step_begin(self, *a: Any, **k: Any) -> None:
-            _sync(args.device)
+            _sync(device)
             self.t0 = time.perf_counter()
 
-        def on_step_end(self, _args: Any, state: Any, *a: Any, **k: Any) -> None:
-            _sync(args.device)
-            if state.global_step > args.warmup:
+        def on_step_end(self, args: Any, state: Any, control: Any, **k: Any) -> None:
+            _sync(device)
+            if state.global_step > warmup:
                 times.append(time.perf_counter() - self.t0)
 
-        def on_log(self, _args: Any, state: Any, control: Any, logs: Any = None, **k: Any) -> None:
-            if logs and "completions/mean_length" in logs and state.global_step > args.warmup:
-                tokens.append(logs["completions/mean_length"] * args.batch * args.group)
+        def on_log(self, args: Any, state: Any, control: Any, **k: Any) -> None:
+            logs = k.get("logs")
+            if logs and "completions/mean_length" in logs and state.global_step > warmup:
+                tokens.append(logs["completions/mean_length"] * rows)
 
     cuda = args.device.startswith("cuda")
     config = GRPOConfig(
@@ -302,7 +276,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = PerfParser("grpo_throughput", __doc__, smoke=SMOKE)
     parser.add_argument("--model", choices=["tiny", "gemma-shaped"], default="tiny")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -317,111 +291,85 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--impls", default="flowopt,flowopt-ckpt,stage,trl,trl-nockpt")
-    parser.add_argument("--out-name", default="grpo_throughput")
-    args = parser.parse_args(argv)
+    run = start_run(parser, argv)
+    setup_logging()
+    args = run.args
+    impls = [i for i in args.impls.split(",") if i]
+    unknown = [i for i in impls if i not in RUNNERS]
+    if unknown:
+        parser.error(f"--impls names unknown implementations {unknown}; choose from {sorted(RUNNERS)}")
 
     import torch
 
     torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING)
-    for noisy in ("dspy", "LiteLLM", "httpx", "transformers", "trl", "flowopt"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    logging.getLogger("flowopt").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    impls = [i for i in args.impls.split(",") if i]
-    if ensure_importable():
-        check_prompt_text()
-    elif "stage" in impls:
-        print("DSPy is not installed: the stage (a DSPy program) is not measured", file=sys.stderr)
-        impls.remove("stage")
-    available = {}
-    for impl in impls:
-        if impl.startswith("trl"):
-            try:
-                import trl
-
-                available[impl] = trl.__version__
-            except ImportError:
-                print("TRL is not installed: measuring flowopt only", file=sys.stderr)
-                continue
-        available.setdefault(impl, "")
-    runs: dict[str, list[dict[str, Any]]] = {i: [] for i in available}
-    for repeat in range(args.repeats):
-        for impl in available:
+    check_prompt_text()
+    trl_version = None
+    if any(i.startswith("trl") for i in impls):
+        try:
+            import trl
+        except ImportError:
+            parser.error("TRL is not installed (pip install -e \".[bench]\"), or leave the trl runs out of --impls")
+        trl_version = trl.__version__
+    runs: dict[str, list[dict[str, Any]]] = {i: [] for i in impls}
+    for repeat in range(args.repeats):  # interleaved rounds
+        for impl in impls:
             started = time.perf_counter()
             runs[impl].append(RUNNERS[impl](args))
-            print(f"round {repeat + 1}/{args.repeats} {impl}: median step "
-                  f"{statistics.median(runs[impl][-1]['step_s']):.3f}s ({time.perf_counter() - started:.0f}s total)",
-                  file=sys.stderr)
+            logger.info("round %d/%d %s: median step %.3fs (%.0fs total)", repeat + 1, args.repeats, impl,
+                        statistics.median(runs[impl][-1]["step_s"]), time.perf_counter() - started)
     results = {impl: summarise(r) for impl, r in runs.items()}
-    write(args, results, available)
+    write(run, results, trl_version)
     return 0
 
 
-def write(args: argparse.Namespace, results: dict[str, Any], versions: dict[str, str]) -> None:
-    import peft
+def write(run: Any, results: dict[str, Any], trl_version: str | None) -> None:
     import torch
-    import transformers
 
-    from flowopt.io import atomic_write_json, atomic_write_text
-
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    command = "python benchmarks/perf/grpo_throughput.py " + " ".join(sys.argv[1:])
-    payload = {"command": command.strip(), "settings": vars(args), "device": device,
-               "machine": f"{platform.platform()}, {platform.machine()}, python {platform.python_version()}",
-               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                            "peft": peft.__version__, "trl": versions.get("trl") or None},
-               "results": results}
-    payload["flowopt_vs_trl"] = {
-        f"{impl} vs {base}": round(results[impl]["steps_per_s"] / results[base]["steps_per_s"], 3)
-        for impl, base in BASELINE.items() if impl in results and base in results}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(RESULTS / f"{args.out_name}.json", payload)
+    args = run.args
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    ratios = {f"{impl} vs {base}": round(results[impl]["steps_per_s"] / results[base]["steps_per_s"], 3)
+              for impl, base in BASELINE.items() if impl in results and base in results}
+    payload = {"device": device, "runs": results, "flowopt_vs_trl": ratios}
     model = (f"tiny Llama (hidden {args.hidden}, {args.layers} layers)" if args.model == "tiny"
              else f"Gemma 3 270M shape ({args.gemma_layers} layers, vocab 262144, random weights)")
-    lines = [
-        f"# GRPO step throughput: flowopt vs TRL GRPOTrainer ({args.device})", "",
-        f"Command: `{payload['command']}`  ",
-        f"Device: {device}; {payload['machine']}; torch threads {args.threads}  ",
-        f"Versions: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
-        f"trl {versions.get('trl') or 'not installed'}  ",
-        f"Model: {model}, {'bf16' if args.device.startswith('cuda') else 'fp32'}; LoRA r={LORA['r']} all linear; "
-        f"B={args.batch} prompts x G={args.group} completions, up to {args.completion} tokens, temperature 1, "
-        f"beta={args.beta} (reference = adapter disabled), loss dapo, 1 optimizer step per generation.  ",
-        f"{args.steps} timed steps after {args.warmup} warm-up steps, {args.repeats} interleaved rounds; "
-        "median step time.", "",
-        "| implementation | median step (s) | rounds' medians (s) | steps/s | vs TRL (same trade) "
-        "| completion tokens/step | peak GPU GiB |",
-        "|---|---:|---|---:|---:|---:|---:|",
-    ]
     names = {"flowopt": "flowopt (sampler + learner, token ids)",
              "flowopt-ckpt": "flowopt, gradient checkpointing",
              "stage": "flowopt GRPO stage (DSPy program)",
-             "trl": f"TRL GRPOTrainer {versions.get('trl', '')} (defaults: gradient checkpointing)",
-             "trl-nockpt": f"TRL GRPOTrainer {versions.get('trl', '')}, no gradient checkpointing"}
+             "trl": f"TRL GRPOTrainer {trl_version} (defaults: gradient checkpointing)",
+             "trl-nockpt": f"TRL GRPOTrainer {trl_version}, no gradient checkpointing"}
+    rows = []
     for impl, r in results.items():
         base = BASELINE.get(impl)
-        ratio = payload["flowopt_vs_trl"].get(f"{impl} vs {base}")
-        rounds = ", ".join(f"{x:.3f}" for x in r["runs_median_step_s"])
-        lines.append(f"| {names[impl]} | {r['median_step_s']:.3f} | {rounds} | {r['steps_per_s']:.2f} | "
-                     f"{'-' if ratio is None else f'{ratio:.2f}x {base}'} | "
-                     f"{r['mean_completion_tokens_per_step'] or '-'} | "
-                     f"{r['peak_gpu_gib'] if r['peak_gpu_gib'] is not None else '-'} |")
-    goal = {k: v for k, v in payload["flowopt_vs_trl"].items() if k.split(" vs ")[0] in GOAL_RUNS}
-    if goal:
-        met = all(v >= 1.0 for v in goal.values())
-        lines += ["", "Each flowopt run is compared with the TRL run that makes the same memory/compute trade "
-                  "(gradient checkpointing on or off).",
-                  f"Goal (steps/s >= TRL's, for the runs doing TRL's work): {'met' if met else 'not met'} "
-                  f"({', '.join(f'{k}: {v:.2f}x' for k, v in goal.items())})."]
-    stage = payload["flowopt_vs_trl"].get(f"stage vs {BASELINE['stage']}")
+        ratio = ratios.get(f"{impl} vs {base}")
+        rows.append([names[impl], f"{r['median_step_s']:.3f}", ", ".join(f"{x:.3f}" for x in r["runs_median_step_s"]),
+                     f"{r['steps_per_s']:.2f}", "-" if ratio is None else f"{ratio:.2f}x {base}",
+                     r["mean_completion_tokens_per_step"] or "-",
+                     r["peak_gpu_gib"] if r["peak_gpu_gib"] is not None else "-"])
+    body = [
+        f"Device: {device}; torch threads {args.threads}. Model: {model}, "
+        f"{'bf16' if args.device.startswith('cuda') else 'fp32'}; LoRA r={LORA['r']} all linear; "
+        f"B={args.batch} prompts x G={args.group} completions, up to {args.completion} tokens, temperature 1, "
+        f"beta={args.beta} (reference = adapter disabled), loss dapo, 1 optimizer step per generation. "
+        f"{args.steps} timed steps after {args.warmup} warm-up steps, {args.repeats} interleaved rounds; "
+        "median step time.", "",
+        *markdown_table(["implementation", "median step (s)", "rounds' medians (s)", "steps/s", "vs TRL (same trade)",
+                         "completion tokens/step", "peak GPU GiB"], rows, align="lrlrrrr"),
+        "", "Each flowopt run is compared with the TRL run that makes the same memory/compute trade "
+        "(gradient checkpointing on or off).",
+    ]
+    stage = ratios.get(f"stage vs {BASELINE['stage']}")
     if stage is not None and "flowopt" in results:
         extra = results["stage"]["median_step_s"] - results["flowopt"]["median_step_s"]
-        lines += [f"The whole stage, which also runs the DSPy program for each of the {args.batch * args.group} "
-                  f"rollouts, is {stage:.2f}x TRL's step: {extra * 1000:+.0f} ms a step over flowopt's own step "
-                  "(DSPy formatting, parsing and trace recording, and the rollout threads)."]
-    atomic_write_text(RESULTS / f"{args.out_name}.md", "\n".join(lines) + "\n")
-    print("\n".join(lines))
+        body += [f"The whole stage, which also runs the DSPy program for each of the {args.batch * args.group} "
+                 f"rollouts, is {stage:.2f}x TRL's step: {extra * 1000:+.0f} ms a step over flowopt's own step "
+                 "(DSPy formatting, parsing and trace recording, and the rollout threads)."]
+    # The goal: the runs doing TRL's work (steps/s >= TRL's); the stage's ratio is reported beside it.
+    goals = [Goal.at_least(f"steps/s ratio {key}", value, 1.0) for key, value in ratios.items()
+             if key.split(" vs ")[0] in GOAL_RUNS]
+    run.finish(f"GRPO step throughput: flowopt vs TRL GRPOTrainer ({args.device})", payload, body, goals=goals)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

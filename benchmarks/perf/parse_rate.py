@@ -1,7 +1,7 @@
 """Parse-success rate of Gemma 3 270M (base) on GSM8K: DSPy's ChatAdapter vs flowopt's CompletionAdapter.
 
-Run: python benchmarks/perf/parse_rate.py [--questions 50] [--max-tokens 128] [--threads 8]
-Writes benchmarks/results/parse_rate.{json,md}.
+Run: python -m flowopt.benchmarks.perf.parse_rate [--questions 50] [--max-tokens 128] [--threads 8]
+Writes benchmarks/results/parse_rate.{json,md} (``--out STEM``).
 
 A call "parses" when the module returns a prediction with every output field filled, after the
 adapter's own recovery: DSPy's ChatAdapter retries with its JSONAdapter fallback, the completion
@@ -13,34 +13,21 @@ generated). Accuracy (the answer's number equals the reference) is reported too,
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
-import platform
 import re
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import dspy
+from dspy.utils.exceptions import AdapterParseError
 
+from flowopt.benchmarks.perf.harness import PerfParser, markdown_table, setup_logging, start_run
+from flowopt.benchmarks.perf.lm_workload import gsm8k_rows
 from flowopt.lm import CompletionAdapter, LocalLM
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results"
-DATA = [ROOT / "benchmarks" / "data" / "gsm8k" / "test.jsonl", Path("/work/shared/data/gsm8k/test.jsonl")]
+logger = logging.getLogger(__name__)
+SMOKE = {"questions": 2, "max_tokens": 16, "threads": 2}
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def load_questions(count: int) -> list[dict[str, str]]:
-    path = next((p for p in DATA if p.is_file()), None)
-    if path is None:
-        sys.exit(f"GSM8K test split not found in {[str(p) for p in DATA]}")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [{"question": r["question"], "gold": r["answer"].split("####")[-1].strip().replace(",", "")}
-            for r in rows[:count]]
 
 
 def numbers_match(answer: str, gold: str) -> bool:
@@ -63,7 +50,7 @@ def run_config(lm: dspy.LM, adapter: dspy.Adapter, module_name: str, questions: 
         with dspy.context(lm=lm, adapter=adapter):
             try:
                 prediction = module(question=row["question"])
-            except Exception as exc:  # AdapterParseError after the adapter's own recovery
+            except AdapterParseError as exc:  # after the adapter's own recovery: a parse failure, counted
                 return {"parsed": False, "error": type(exc).__name__, "correct": False}
         values = prediction.toDict()
         parsed = all(v not in (None, "") for v in values.values())
@@ -85,21 +72,21 @@ def run_config(lm: dspy.LM, adapter: dspy.Adapter, module_name: str, questions: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = PerfParser("parse_rate", __doc__, smoke=SMOKE)
     parser.add_argument("--questions", type=int, default=50)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch intra-op threads (0: torch's default). On a CPU shared with other jobs, 1 is "
                              "several times faster than 2: OpenMP threads stall each other when descheduled")
-    parser.add_argument("--out", type=Path, default=RESULTS / "parse_rate")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    run = start_run(parser, argv)
+    setup_logging()
+    args = run.args
     if args.torch_threads:
         import torch
 
         torch.set_num_threads(args.torch_threads)
-    questions = load_questions(args.questions)
+    questions = gsm8k_rows(args.questions)
     load_began = time.perf_counter()
     local = LocalLM("gemma-3-270m", max_new_tokens=args.max_tokens, max_batch_size=args.threads)
     load_s = time.perf_counter() - load_began
@@ -108,43 +95,24 @@ def main(argv: list[str] | None = None) -> int:
     for adapter in (dspy.ChatAdapter(), CompletionAdapter()):
         for module_name in ("Predict", "ChainOfThought"):
             result = run_config(lm, adapter, module_name, questions, args.threads)
-            logging.warning("%s %s: %d/%d parsed, %d correct, %.0fs", result["adapter"], module_name,
-                            result["parsed"], result["questions"], result["correct"], result["wall_s"])
+            logger.info("%s %s: %d/%d parsed, %d correct, %.0fs", result["adapter"], module_name,
+                        result["parsed"], result["questions"], result["correct"], result["wall_s"])
             results.append(result)
-    import torch
-    import transformers
-
-    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-               "torch": torch.__version__, "transformers": transformers.__version__, "dspy": dspy.__version__,
-               "torch_threads": torch.get_num_threads(), "device": str(local.device), "dtype": str(local.dtype),
-               "model_load_s": round(load_s, 1),
-               "load_average_end": os.getloadavg()}
-    command = "python benchmarks/perf/parse_rate.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    payload = {"command": command.strip(), "machine": machine, "model": "gemma-3-270m (base, Q4_K_M dequantized)",
-               "max_tokens": args.max_tokens, "threads": args.threads, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-    lines = [
-        "# Parse-success rate: Gemma 3 270M on GSM8K, ChatAdapter vs CompletionAdapter", "",
-        f"Command: `{payload['command']}`", "",
-        f"Machine: {machine['platform']}, {machine['cpus']} CPUs (shared with other jobs; load average at the "
-        f"end {machine['load_average_end'][0]:.1f}), torch {machine['torch']}, transformers "
-        f"{machine['transformers']}, DSPy {machine['dspy']}; {machine['device']} {machine['dtype']}, "
-        f"{machine['torch_threads']} torch thread(s).", "",
-        f"First {len(questions)} GSM8K test questions, zero-shot, greedy, max_tokens={args.max_tokens}, "
-        f"{args.threads} threads (dynamic batching), DSPy cache off. Parsed = every output field filled after the "
-        "adapter's own recovery (ChatAdapter: JSONAdapter fallback; CompletionAdapter: continuation).", "",
-        "| adapter | module | parsed | parse rate | correct | LM calls | completion tokens | wall s |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        lines.append(f"| {r['adapter']} | {r['module']} | {r['parsed']}/{r['questions']} | "
-                     f"{r['parsed'] / r['questions']:.0%} | {r['correct']} | {r['lm_calls']} | "
-                     f"{r['completion_tokens']} | {r['wall_s']} |")
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    device, dtype = str(local.device), str(local.dtype).replace("torch.", "")
+    local.close()
+    rows = [[r["adapter"], r["module"], f"{r['parsed']}/{r['questions']}", f"{r['parsed'] / r['questions']:.0%}",
+             r["correct"], r["lm_calls"], r["completion_tokens"], r["wall_s"]] for r in results]
+    body = [f"gemma-3-270m (base, Q4_K_M dequantized) on {device} {dtype}, loaded in {load_s:.1f} s. First "
+            f"{len(questions)} GSM8K test questions, zero-shot, greedy, max_tokens={args.max_tokens}, "
+            f"{args.threads} threads (dynamic batching), DSPy cache off. Parsed = every output field filled after "
+            "the adapter's own recovery (ChatAdapter: JSONAdapter fallback; CompletionAdapter: continuation).", "",
+            *markdown_table(["adapter", "module", "parsed", "parse rate", "correct", "LM calls", "completion tokens",
+                             "wall s"], rows, align="llrrrrrr")]
+    payload = {"model": "gemma-3-270m (base, Q4_K_M dequantized)", "device": device, "dtype": dtype,
+               "model_load_s": round(load_s, 1), "configs": results}
+    run.finish("Parse-success rate: Gemma 3 270M on GSM8K, ChatAdapter vs CompletionAdapter", payload, body)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,27 +1,31 @@
 """Workflow vs the same program hand-written as a dspy.Module, on a fake LM with fixed latency.
 
-Run: python benchmarks/perf/workflow_overhead.py [--examples 200] [--latency-ms 20] [--repeats 3]
-Writes benchmarks/results/workflow_overhead.{json,md}. Goals (issue 2): chain ratio <= 1.05;
-two independent branches ratio <= 0.6 (independent nodes run concurrently).
+Run: python -m flowopt.benchmarks.perf.workflow_overhead [--examples 200] [--latency-ms 20] [--repeats 3]
+Writes benchmarks/results/workflow_overhead.{json,md} (``--out STEM``). Goals (issue 2): chain ratio
+<= 1.05; two independent branches ratio <= 0.6 (independent nodes run concurrently).
 """
 
 from __future__ import annotations
 
-import argparse
-import platform
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import dspy
 
 import flowopt
-from flowopt.io import atomic_write_json, atomic_write_text
+from flowopt.benchmarks.perf.harness import (
+    Goal,
+    PerfParser,
+    interleaved,
+    markdown_table,
+    setup_logging,
+    spread,
+    start_run,
+    timed,
+)
 from flowopt.modules import ChainOfThought, Predict
 from flowopt.testing import scripted_lm
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+SMOKE = {"examples": 4, "latency_ms": 1.0, "repeats": 1}
 
 
 def answer(request):
@@ -72,52 +76,38 @@ def flow_branches() -> flowopt.Workflow:
             .add("solve_b", ChainOfThought("question, plan_b -> rationale")))
 
 
-def timed(program, questions) -> float:
-    start = time.perf_counter()
-    for q in questions:
-        program(question=q)
-    return time.perf_counter() - start
+def run_all(program, questions) -> float:
+    """Seconds to call ``program`` on every question in turn."""
+    return timed(lambda: [program(question=q) for q in questions])[1]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = PerfParser("workflow_overhead", __doc__, smoke=SMOKE)
     parser.add_argument("--examples", type=int, default=200)
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+    run = start_run(parser, argv)
+    setup_logging()
+    args = run.args
     dspy.configure(lm=scripted_lm(answer, latency_s=args.latency_ms / 1000, cache=False))
     questions = [f"question number {i}" for i in range(args.examples)]
-    results = {}
+    results, goals, rows = {}, [], []
     for name, hand, flow, goal in (("chain (3 nodes)", HandChain(), flow_chain(), 1.05),
                                    ("two branches (4 nodes)", HandBranches(), flow_branches(), 0.6)):
-        hand_times, flow_times = [], []
-        for _ in range(args.repeats):  # interleaved, so machine noise hits both sides alike
-            hand_times.append(timed(hand, questions))
-            flow_times.append(timed(flow, questions))
-        ratio = statistics.median(flow_times) / statistics.median(hand_times)
-        results[name] = {"hand_s": statistics.median(hand_times), "workflow_s": statistics.median(flow_times),
-                         "ratio": ratio, "goal": goal, "met": ratio <= goal}
-    report = {
-        "command": "python benchmarks/perf/workflow_overhead.py " + " ".join(argv or sys.argv[1:]),
-        "machine": f"{platform.platform()}, {platform.processor() or platform.machine()}, "
-                   f"python {platform.python_version()}",
-        "examples": args.examples, "latency_ms": args.latency_ms, "repeats": args.repeats,
-        "results": results,
-    }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(RESULTS / "workflow_overhead.json", report)
-    lines = ["# Workflow vs hand-written dspy.Module", "",
-             f"Command: `{report['command'].strip()}`  ", f"Machine: {report['machine']}  ",
-             f"{args.examples} examples, fake LM with {args.latency_ms:g} ms latency per call, "
-             f"median of {args.repeats} interleaved runs.", "",
-             "| program | hand-written (s) | Workflow (s) | ratio | goal | met |", "|---|---:|---:|---:|---:|---|"]
-    for name, r in results.items():
-        lines.append(f"| {name} | {r['hand_s']:.2f} | {r['workflow_s']:.2f} | {r['ratio']:.3f} | "
-                     f"<= {r['goal']} | {'yes' if r['met'] else 'no'} |")
-    atomic_write_text(RESULTS / "workflow_overhead.md", "\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return report
+        runs = interleaved({"hand": lambda h=hand: run_all(h, questions),
+                            "workflow": lambda f=flow: run_all(f, questions)}, args.repeats)
+        ratio = statistics.median(runs["workflow"]) / statistics.median(runs["hand"])
+        results[name] = {"hand_s": spread(runs["hand"]), "workflow_s": spread(runs["workflow"]),
+                         "ratio": round(ratio, 4)}
+        goals.append(Goal.at_most(f"{name}: Workflow / hand-written time", round(ratio, 3), goal))
+        rows.append([name, f"{results[name]['hand_s']['median']:.2f}", f"{results[name]['workflow_s']['median']:.2f}",
+                     f"{ratio:.3f}"])
+    body = [f"{args.examples} examples, fake LM with {args.latency_ms:g} ms latency per call, "
+            f"median of {args.repeats} interleaved runs.", "",
+            *markdown_table(["program", "hand-written (s)", "Workflow (s)", "ratio"], rows, align="lrrr")]
+    run.finish("Workflow vs hand-written dspy.Module", results, body, goals=goals)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,8 +1,8 @@
-"""Fixtures for the weights stages: a tiny random model on a learnable cue -> word task.
+"""Fixtures for the weights stages: a tiny random model on the cue -> word task.
 
-The task: the input names a colour (``cue``) among two noise words; the right output is the animal
-that colour stands for. A fresh tiny model gets it right about one time in 40 (its vocabulary size);
-a LoRA can learn it in a few dozen steps on a CPU.
+The task (``flowopt.benchmarks.cue_word``): the input names a colour (``cue``) among two noise words;
+the right output is the animal that colour stands for. A fresh tiny model gets it right about one time
+in 40 (its vocabulary size); a LoRA can learn it in a few dozen steps on a CPU.
 """
 
 from __future__ import annotations
@@ -11,29 +11,13 @@ import random
 from pathlib import Path
 from typing import Any
 
-import dspy
 import pytest
 
-COLORS = ["red", "blue", "green", "black", "white", "pink", "gold", "gray"]
-ANIMALS = ["cat", "dog", "cow", "pig", "owl", "fox", "bee", "ant"]
-NOISE = ["sun", "moon", "star", "tree", "rock", "lake", "hill", "road"]
+from flowopt.benchmarks import cue_word
+
 # The completion adapter's labels, so prompts are whole words for the word-level tokenizer.
 LABELS = ["Noise:", "Cue:", "Word:", "---", "Given", "fields", "produce", "`noise`,", "`cue`,", "`word`."]
-
-
-def make_examples(n: int, seed: int) -> list[dspy.Example]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        k = rng.randrange(len(COLORS))
-        out.append(dspy.Example(noise=" ".join(rng.sample(NOISE, 2)), cue=COLORS[k], word=ANIMALS[k])
-                   .with_inputs("noise", "cue"))
-    return out
-
-
-def first_word_metric(example: Any, prediction: Any, trace: Any = None) -> float:
-    words = str(getattr(prediction, "word", "") or "").split()
-    return float(bool(words) and words[0] == example.word)
+WORDS = [*cue_word.COLORS, *cue_word.ANIMALS, *cue_word.NOISE, *LABELS]
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +37,7 @@ def tiny_local():
     from flowopt.lm.local import LocalLM
     from flowopt.optimizers.weights.tiny import tiny_causal_lm
 
-    model, tokenizer = tiny_causal_lm(COLORS + ANIMALS + NOISE + LABELS, seed=0)
+    model, tokenizer = tiny_causal_lm(WORDS, seed=0)
     local = LocalLM.from_model(model, tokenizer, name="tiny", max_new_tokens=4)
     yield local
     local.close()
@@ -68,7 +52,7 @@ def make_tiny_local():
     made = []
 
     def make():
-        model, tokenizer = tiny_causal_lm(COLORS + ANIMALS + NOISE + LABELS, seed=0)
+        model, tokenizer = tiny_causal_lm(WORDS, seed=0)
         made.append(LocalLM.from_model(model, tokenizer, name="tiny", max_new_tokens=4))
         return made[-1]
 
@@ -83,7 +67,7 @@ def tiny_saved_local(tmp_path: Path):
     from flowopt.lm.local import LocalLM
     from flowopt.optimizers.weights.tiny import tiny_causal_lm
 
-    model, tokenizer = tiny_causal_lm(COLORS + ANIMALS + NOISE + LABELS, seed=0)
+    model, tokenizer = tiny_causal_lm(WORDS, seed=0)
     folder = tmp_path / "tiny-model"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -97,7 +81,7 @@ def make_ctx(trainset: list[Any], valset: list[Any], *, run_dir: Path | None = N
     from flowopt.compiler.budget import BudgetTracker
     from flowopt.compiler.context import StageContext
 
-    return StageContext(trainset=trainset, valset=valset, metric=first_word_metric, budget=budget or BudgetTracker(),
+    return StageContext(trainset=trainset, valset=valset, metric=cue_word.metric, budget=budget or BudgetTracker(),
                         seed=seed, rng=random.Random(seed), run_dir=run_dir, resume=resume, num_threads=4,
                         stage_name=stage_name)
 
@@ -105,9 +89,10 @@ def make_ctx(trainset: list[Any], valset: list[Any], *, run_dir: Path | None = N
 class Task:
     """What the tests need of the cue -> word task, handed out by the ``task`` fixture."""
 
-    colors, animals, noise = COLORS, ANIMALS, NOISE
-    examples = staticmethod(make_examples)
-    metric = staticmethod(first_word_metric)
+    colors, animals, noise = cue_word.COLORS, cue_word.ANIMALS, cue_word.NOISE
+    examples = staticmethod(cue_word.make_examples)
+    metric = staticmethod(cue_word.metric)
+    oracle = staticmethod(cue_word.oracle)
     ctx = staticmethod(make_ctx)
 
 

@@ -49,7 +49,7 @@ def test_grpo_raises_mean_reward(tiny_local, task, tmp_path):
 
 
 def test_sft_raises_held_out_accuracy(tiny_local, task, tmp_path):
-    teacher = scripted_lm(lambda req: {"word": task.animals[task.colors.index(req.inputs["cue"])]}, cache=False)
+    teacher = scripted_lm(task.oracle, cache=False)
     program = _program(tiny_local)
     trainset, valset = task.examples(48, seed=3), task.examples(32, seed=4)
     ctx = task.ctx(trainset, valset, run_dir=tmp_path / "finetune", stage_name="finetune")
