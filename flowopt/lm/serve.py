@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from flowopt.errors import FlowoptError
-from flowopt.lm.generation import RowSettings, derive_seed
+from flowopt.lm.sampling import RowSettings, derive_seed
 
 if TYPE_CHECKING:
     from flowopt.lm.local import LocalLM
