@@ -30,8 +30,8 @@ def _import_local_lm():
             module = types.ModuleType(name)
             module.__path__ = [str(folder)]
             sys.modules[name] = module
-    from flowopt.lm.generation import RowSettings
     from flowopt.lm.local import LocalLM
+    from flowopt.lm.sampling import RowSettings
 
     return LocalLM, RowSettings
 
