@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from flowopt.lm import LocalLM
-    from flowopt.lm.local import cpu_has_native_bf16
-    from flowopt.optimizers.weights.batch import completion_logprobs, pack
+    from flowopt.lm.loading import cpu_has_native_bf16
+    from flowopt.lm.packing import pack
+    from flowopt.lm.scoring import completion_logprobs
     from flowopt.optimizers.weights.policy import LoraSettings, Policy
 
     r = args.repeats

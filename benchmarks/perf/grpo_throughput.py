@@ -128,10 +128,10 @@ def run_flowopt(args: argparse.Namespace, checkpointing: bool = False) -> dict[s
     import torch
 
     from flowopt.lm.local import LocalLM
+    from flowopt.lm.sampling import RowSettings
     from flowopt.optimizers.weights.advantages import group_advantages
     from flowopt.optimizers.weights.learner import GRPOLearner, ScoredTransition
     from flowopt.optimizers.weights.policy import LoraSettings, Policy
-    from flowopt.optimizers.weights.sampling import sample_batch
 
     model, tokenizer = build_model(args)
     local = LocalLM.from_model(model, tokenizer, name="bench")
@@ -151,13 +151,12 @@ def run_flowopt(args: argparse.Namespace, checkpointing: bool = False) -> dict[s
         batch = data[step * args.batch:(step + 1) * args.batch]
         prompts = [policy.render([{"role": "user", "content": prompt_text(ex)}]) for ex in batch]
         rows = [p for p in prompts for _ in range(args.group)]
-        with policy.lock:
-            out = sample_batch(policy.model, rows, max_new_tokens=args.completion, temperature=1.0,
-                               eos_ids=policy.eos_ids, pad_id=policy.pad_id, generator=gen)
+        settings = [RowSettings(max_new_tokens=args.completion, temperature=1.0, logprobs=True)] * len(rows)
+        out = local.sample_ids(rows, settings, adapter=policy.adapter, generator=gen)
         rewards = torch.tensor([reward(policy.decode(o.completion_ids), batch[i // args.group]["target"])
                                 for i, o in enumerate(out)])
         advantages = group_advantages(rewards.view(args.batch, args.group)).flatten().tolist()
-        learner.update([ScoredTransition(rows[i], o.completion_ids, o.logprobs, advantages[i])
+        learner.update([ScoredTransition(rows[i], o.completion_ids, o.logprobs.tolist(), advantages[i])
                         for i, o in enumerate(out)])
         _sync(args.device)
         if step >= args.warmup:

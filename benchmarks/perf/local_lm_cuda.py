@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = run.args
     import torch
 
-    from flowopt.lm.generation import RowSettings
+    from flowopt.lm.sampling import RowSettings
     from flowopt.lm.local import LocalLM
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)

@@ -1,10 +1,15 @@
-"""A thread-safe dynamic batcher: concurrent callers are collected briefly and served by one batch call.
+"""The batching policies of the local-model engine: concurrent blocking calls served as one batch call.
 
-DSPy evaluates with threads, and each thread makes its own blocking LM call. Running those calls one by
-one leaves a local model mostly idle (one token per weight read); running them as one padded batch
-reuses each weight read for every caller. The batcher sits between the two: ``submit`` blocks the
-calling thread while one worker thread gathers whatever arrived within ``wait_ms`` (or until
-``max_batch_size``), calls ``run_batch`` once, and hands each caller its own result or exception.
+Each thread of a DSPy program makes its own blocking LM call. Running those calls one by one leaves
+a local model mostly idle (one token per weight read); running them as one padded batch reuses each
+weight read for every caller. Two policies decide when a batch runs:
+
+- :class:`DynamicBatcher` (evaluation threads): one worker thread gathers whatever arrived within
+  ``wait_ms`` (or until ``max_batch_size``) and runs it.
+- :class:`LockstepBatcher` (GRPO rollouts): B x G copies of a program run at once; a batch runs when
+  every rollout still running is waiting, sorted by rollout, on the thread that called ``serve``.
+
+Both hand each caller its own result or the batch's exception (:func:`_deliver`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -132,17 +137,103 @@ class DynamicBatcher(Generic[T, R]):
                     job.future.set_exception(RuntimeError(f"{self._name} closed before serving the request"))
                 return
             self.batch_sizes.append(len(batch))
-            try:
-                results = list(self._run_batch(batch[0].group, [job.item for job in batch]))
-                if len(results) != len(batch):
-                    raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)} items")
-            except BaseException as exc:  # every caller of the batch sees the failure, the worker lives on
-                logger.debug("batch of %d failed: %r", len(batch), exc)
-                for job in batch:
-                    job.future.set_exception(exc)
-                continue
-            for job, result in zip(batch, results):
-                job.future.set_result(result)
+            group = batch[0].group
+            _deliver(lambda items, group=group: self._run_batch(group, items), batch)
 
     def __repr__(self) -> str:
         return f"DynamicBatcher(max_batch_size={self.max_batch_size}, wait_ms={self.wait_s * 1000:g})"
+
+
+def _deliver(run: Callable[[list[Any]], Sequence[Any]], jobs: Sequence[Any]) -> BaseException | None:
+    """Run ``jobs`` (each with ``item`` and ``future``) as one batch; every caller gets its own result, or
+    the batch's exception (returned too). The serving thread lives on either way."""
+    try:
+        results = list(run([job.item for job in jobs]))
+        if len(results) != len(jobs):
+            raise RuntimeError(f"run_batch returned {len(results)} results for {len(jobs)} items")
+    except BaseException as exc:
+        logger.debug("batch of %d failed: %r", len(jobs), exc)
+        for job in jobs:
+            job.future.set_exception(exc)
+        return exc
+    for job, result in zip(jobs, results):
+        job.future.set_result(result)
+    return None
+
+
+@dataclass(order=True)
+class _Slot:
+    key: tuple[int, int]
+    item: Any = field(compare=False)
+    # Each caller waits on its own future: with one shared condition every arrival would wake every
+    # earlier caller (B x G threads, quadratic wake-ups fighting for the GIL).
+    future: Future = field(default_factory=Future, compare=False)
+
+
+class LockstepBatcher(Generic[T, R]):
+    """Serve ``submit(key, item)`` calls from ``live`` threads with ``run_batch(items) -> results``.
+
+    Rollout threads call :meth:`submit` (blocking) and :meth:`finished` when they end; one thread
+    calls :meth:`serve`, which returns when every rollout has finished. Batches are as large as the
+    program allows and their order (by ``key``) does not depend on thread timing, so a seeded run
+    repeats; all model work happens on the serving thread (many threads touching torch each start
+    their own OpenMP pool, which on a small CPU costs more than the work). A short timeout serves
+    whatever waits, so calls from threads the batcher does not know about never dead-lock.
+
+    Example:
+        >>> import threading
+        >>> batcher = LockstepBatcher(lambda xs: [x * 2 for x in xs], live=1)
+        >>> out = []
+        >>> worker = threading.Thread(target=lambda: (out.append(batcher.submit((0, 0), 21)), batcher.finished()))
+        >>> worker.start(); batcher.serve(); worker.join(); out
+        [42]
+    """
+
+    def __init__(self, run_batch: Callable[[list[T]], Sequence[R]], *, live: int, max_batch_size: int = 1024,
+                 timeout_s: float = 0.5) -> None:
+        self._run_batch = run_batch
+        self._live = live
+        self._max = max_batch_size
+        self._timeout = timeout_s
+        self._pending: list[_Slot] = []
+        self._cond = threading.Condition()
+        self._counter = 0
+        self._drain = False  # calls left over from a batch cut at max_batch_size: serve them next
+        self.batch_sizes: list[int] = []
+        self.errors: list[BaseException] = []  # failures of run_batch (the model's, not the program's)
+
+    def submit(self, key: tuple[int, int] | None, item: T) -> R:
+        with self._cond:
+            if key is None:  # unknown caller: order after the known ones, by arrival
+                self._counter += 1
+                key = (1 << 30, self._counter)
+            slot = _Slot(key, item)
+            self._pending.append(slot)
+            self._cond.notify()  # only the serving thread waits on the condition
+        return slot.future.result()
+
+    def finished(self) -> None:
+        """One rollout thread ended; a batch may now be complete."""
+        with self._cond:
+            self._live -= 1
+            self._cond.notify()
+
+    def serve(self) -> None:
+        """Run batches on this thread until every rollout has finished."""
+        while True:
+            with self._cond:
+                while not (self._pending and (self._drain or len(self._pending) >= self._live)) and self._live > 0:
+                    if not self._cond.wait(timeout=self._timeout) and self._pending:
+                        break  # nobody else came in time: serve what waits
+                if not self._pending:
+                    if self._live <= 0:
+                        return
+                    continue
+                batch = sorted(self._pending)[: self._max]
+                taken = {id(s) for s in batch}
+                self._pending = [s for s in self._pending if id(s) not in taken]
+                self._drain = bool(self._pending)
+            self.batch_sizes.append(len(batch))
+            error = _deliver(self._run_batch, batch)
+            if error is not None:
+                self.errors.append(error)

@@ -1,16 +1,21 @@
-"""The DSPy side of a LocalLM: a custom engine (``complete(Request) -> Response``) and its ``dspy.LM``.
+"""The DSPy side of a LocalLM: the one custom engine (``complete(Request) -> Response``) and its ``dspy.LM``.
 
 DSPy 3.4 owns caching, retries, ``n`` fan-out (one engine call per candidate), history, usage
 tracking and callbacks for any ``dspy.LM(model, engine=...)``; the engine only turns one canonical
-request into one response. :class:`LocalDSPyLM` is that ``dspy.LM`` with two local twists: its model
-string carries a tag that changes with the weights in use (DSPy's cache keys on the request, so an
-adapter switch must change the request), and it knows its :class:`~flowopt.lm.local.LocalLM`.
+request into one response. It serves evaluation threads (through the LocalLM's dynamic batcher) and
+GRPO rollouts alike: a :class:`Lockstep` batching policy runs the rollouts' calls in lockstep, and a
+``recorder`` hook sees every call's prompt ids, completion ids and log-probs.
+
+:class:`LocalDSPyLM` is the ``dspy.LM`` of a LocalLM with two local twists: its model string carries a
+tag that changes with the weights in use (DSPy's cache keys on the request, so an adapter switch must
+change the request), and it knows its :class:`~flowopt.lm.local.LocalLM`.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import dspy
 from dspy.clients.engines.base import validate_request
@@ -26,7 +31,8 @@ from dspy.lm15 import (
 )
 
 from flowopt.errors import LMError
-from flowopt.lm.generation import RowSettings
+from flowopt.lm.batching import LockstepBatcher
+from flowopt.lm.sampling import RowSettings, Sample
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -40,7 +46,8 @@ def request_messages(request: Request) -> list[dict[str, str]]:
     if request.system is not None:
         system = request.system if isinstance(request.system, str) else "".join(
             getattr(part, "text", "") or "" for part in request.system)
-        messages.append({"role": "system", "content": system})
+        if system:  # an empty system part is no system message
+            messages.append({"role": "system", "content": system})
     for message in request.messages:
         text = message.text
         if text is None:
@@ -50,31 +57,105 @@ def request_messages(request: Request) -> list[dict[str, str]]:
     return messages
 
 
-def row_settings(local: LocalLM, config: Any) -> RowSettings:
-    """Per-request decoding settings; unset values fall back to the LocalLM's defaults."""
+def row_settings(local: LocalLM, config: Any, *, temperature: float | None = None,
+                 max_new_tokens: int | None = None, logprobs: bool = False) -> RowSettings:
+    """Per-request decoding settings; unset values fall back to the LocalLM's defaults.
+
+    ``temperature`` overrides the request's; ``max_new_tokens`` is the default and the cap of its
+    ``max_tokens``; ``logprobs`` asks for per-token log-probs even when the request does not.
+    """
+    limit = int(config.max_tokens or max_new_tokens or local.max_new_tokens)
+    if max_new_tokens is not None:
+        limit = min(limit, max_new_tokens)
+    if temperature is None:
+        temperature = local.temperature if config.temperature is None else config.temperature
     return RowSettings(
-        max_new_tokens=int(config.max_tokens or local.max_new_tokens),
-        temperature=float(local.temperature if config.temperature is None else config.temperature),
+        max_new_tokens=limit,
+        temperature=float(temperature),
         top_p=1.0 if config.top_p is None else float(config.top_p),
         top_k=int(config.top_k or 0),
         seed=config.seed,
         stop=tuple(config.stop or ()),
+        logprobs=logprobs or config.logprobs is not None,
     )
 
 
+class Batching(Protocol):
+    """How the engine's calls reach the sampler (the default: the LocalLM's dynamic batcher)."""
+
+    def submit(self, local: LocalLM, prompt_ids: list[int], settings: RowSettings, adapter: Any) -> Sample: ...
+
+
+class Dynamic:
+    """Evaluation threads: calls meet in the LocalLM's :class:`~flowopt.lm.batching.DynamicBatcher`."""
+
+    def submit(self, local: LocalLM, prompt_ids: list[int], settings: RowSettings, adapter: Any) -> Sample:
+        return local.complete_ids(prompt_ids, settings, adapter=adapter)
+
+
+class Lockstep:
+    """GRPO rollouts: ``live`` program threads; a batch runs when every running one waits (sorted by
+    ``key()``, the caller's rollout), on the thread that calls :meth:`serve`; ``generator`` seeds every draw.
+
+    Example:
+        >>> policy = Lockstep(local, live=8, key=lambda: current_rollout(), generator=gen)  # doctest: +SKIP
+        >>> lm = dspy.LM("local/policy", engine=LocalEngine(local, batching=policy))  # doctest: +SKIP
+    """
+
+    def __init__(self, local: LocalLM, *, live: int, key: Callable[[], tuple[int, int] | None],
+                 generator: Any = None, max_batch_size: int = 1024) -> None:
+        self.local, self.key, self.generator = local, key, generator
+        self.batcher: LockstepBatcher[tuple[list[int], RowSettings, Any], Sample] = LockstepBatcher(
+            self._run, live=live, max_batch_size=max_batch_size)
+
+    def submit(self, local: LocalLM, prompt_ids: list[int], settings: RowSettings, adapter: Any) -> Sample:
+        local._check_length(prompt_ids, settings.max_new_tokens)
+        return self.batcher.submit(self.key(), (prompt_ids, settings, adapter))
+
+    def _run(self, items: list[tuple[list[int], RowSettings, Any]]) -> list[Sample]:
+        results: list[Sample | None] = [None] * len(items)
+        groups: dict[Hashable, list[int]] = {}
+        for i, (_, _, adapter) in enumerate(items):
+            groups.setdefault(adapter, []).append(i)
+        for adapter, indices in groups.items():
+            out = self.local.sample_ids([items[i][0] for i in indices], [items[i][1] for i in indices],
+                                        adapter=adapter, generator=self.generator)
+            for i, one in zip(indices, out):
+                results[i] = one
+        return [r for r in results if r is not None]
+
+    def finished(self) -> None:
+        """One program thread ended."""
+        self.batcher.finished()
+
+    def serve(self) -> None:
+        """Run the batches on this thread until every program thread has finished."""
+        self.batcher.serve()
+
+
 class LocalEngine:
-    """DSPy 3.4 engine over a :class:`~flowopt.lm.local.LocalLM`: one request, one batched generation.
+    """DSPy 3.4 engine over a :class:`~flowopt.lm.local.LocalLM`: one request, one sample from a batch.
+
+    ``adapter`` pins the weights (an adapter's name, None for the base weights; ``...``: the LocalLM's
+    default, see :meth:`~flowopt.lm.local.LocalLM.complete_ids`). ``batching`` decides how calls meet
+    (default :class:`Dynamic`); ``recorder`` is called with every call's :class:`~flowopt.lm.sampling.Sample`
+    (prompt ids, completion ids, log-probs), which GRPO records as transitions. ``temperature``
+    overrides each request's, and ``max_new_tokens`` caps its ``max_tokens``.
 
     Example:
         >>> lm = dspy.LM("local/tiny", engine=LocalEngine(local))  # doctest: +SKIP
         >>> lm("Hello")  # doctest: +SKIP
     """
 
-    def __init__(self, local: LocalLM, *, adapter: Any = ...) -> None:
+    def __init__(self, local: LocalLM, *, adapter: Any = ..., batching: Batching | None = None,
+                 recorder: Callable[[Sample], None] | None = None, temperature: float | None = None,
+                 max_new_tokens: int | None = None) -> None:
         self.local = local
-        # ``...``: the model-wide adapter state; an adapter's name (or None for the base weights) pins
-        # every call of this engine to those weights (see LocalLM.complete_ids).
         self.adapter = adapter
+        self.batching: Batching = batching or Dynamic()
+        self.recorder = recorder
+        self.temperature = temperature
+        self.max_new_tokens = max_new_tokens
 
     def complete(self, request: Request) -> Response:
         validate_request(request)
@@ -82,17 +163,19 @@ class LocalEngine:
             raise UnsupportedFeatureError("local models do not call tools natively", provider="local")
         local = self.local
         prompt_ids = local.render(request_messages(request))
-        settings = row_settings(local, request.config)
+        settings = row_settings(local, request.config, temperature=self.temperature,
+                                max_new_tokens=self.max_new_tokens, logprobs=self.recorder is not None)
         try:
-            sample = local.complete_ids(prompt_ids, settings, adapter=self.adapter)
+            sample = self.batching.submit(local, prompt_ids, settings, self.adapter)
         except LMError as exc:
             raise ContextLengthError(str(exc), provider="local") from exc
+        if self.recorder is not None:
+            self.recorder(sample)
         logprobs = None
-        if request.config.logprobs is not None and sample.completion_ids:
-            scores = local.token_logprobs([sample.prompt_ids], [sample.completion_ids])[0].tolist()
+        if request.config.logprobs is not None and sample.logprobs is not None:
             logprobs = tuple(
                 TokenLogprob(token=local.tokenizer.decode([t]), logprob=float(s), token_id=int(t))
-                for t, s in zip(sample.completion_ids, scores))
+                for t, s in zip(sample.completion_ids, sample.logprobs.tolist()))
         return Response(
             id=f"local-{uuid.uuid4().hex[:16]}",
             model=request.model,
@@ -115,7 +198,7 @@ class LocalEngine:
 
     @classmethod
     def load_state(cls, state: dict[str, Any]) -> LocalEngine:
-        from flowopt.lm import shared_local_lm
+        from flowopt.lm.shared import shared_local_lm
 
         return cls(shared_local_lm(state))
 

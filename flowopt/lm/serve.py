@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from flowopt.errors import FlowoptError
-from flowopt.lm.generation import RowSettings, derive_seed
+from flowopt.lm.sampling import RowSettings, derive_seed
 
 if TYPE_CHECKING:
     from flowopt.lm.local import LocalLM

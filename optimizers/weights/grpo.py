@@ -46,7 +46,8 @@ class GRPO(Stage):
 
     ``student=None`` trains the local model the program already runs on (continuing an earlier
     weights stage's adapter), else the embedded Gemma 3 270M. ``scaling``: advantage divisor
-    ("group", "batch" or "none"); ``aggregation``: "grpo" (per-sequence mean) or "dapo" (token mean);
+    ("group", "batch" or "none"); ``aggregation``: "grpo" (mean over each rollout's tokens, all its LM
+    calls together, then over rollouts: every rollout weighs the same) or "dapo" (token mean);
     ``beta`` > 0 adds the k3 KL to the reference: the adapter the program already ran with (e.g. from
     BootstrapFinetune), else the base model (adapter disabled). ``gradient_checkpointing`` trades about a
     third more compute for much less activation memory (TRL's default; off here).
@@ -255,7 +256,7 @@ def _draw(rng: random.Random, n: int, k: int) -> list[int]:
 
 def _scored_transitions(rollouts: list[Rollout], advantages: list[float]) -> list[ScoredTransition]:
     items = []
-    for rollout, advantage in zip(rollouts, advantages):
+    for index, (rollout, advantage) in enumerate(zip(rollouts, advantages)):
         for t in rollout.transitions:  # every LM call of the rollout shares its advantage
-            items.append(ScoredTransition(t.prompt_ids, t.completion_ids, t.logprobs, float(advantage)))
+            items.append(ScoredTransition(t.prompt_ids, t.completion_ids, t.logprobs, float(advantage), rollout=index))
     return items

@@ -1,9 +1,16 @@
 """One GRPO update from a batch of scored transitions: passes, micro-batches, clipping, schedule.
 
 Each transition (one LM call of a rollout) carries its rollout's advantage. Per pass over the batch the
-gradient is accumulated over micro-batches, with the loss normalised by the whole batch's sequence or
-token count, so accumulation gives exactly the gradient of the full batch; then one clipped optimizer
-step. Reference scores (adapter disabled) and old log-probs are fixed before the first pass.
+gradient is accumulated over micro-batches, with each sequence weighted as the whole batch's
+aggregation says (:func:`~flowopt.optimizers.weights.loss.sequence_weights`), so accumulation gives
+exactly the gradient of the full batch; then one clipped optimizer step. Reference scores are fixed
+before the first pass.
+
+The old policy's log-probs are the first pass's training forward, detached (as TRL does), not the
+sampler's: the sampler runs without gradients, in inference mode and possibly in bf16 with a KV cache,
+and its log-probs differ from the training forward's (on Gemma 3 270M in bf16 by up to 0.14), which
+would rescale every token's gradient on the first pass. The first-pass ratio is therefore exactly 1;
+later passes compare with it. The gap between the two is reported (``sampler_logprob_gap``).
 """
 
 from __future__ import annotations
@@ -14,8 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flowopt.optimizers.weights.batch import PackedBatch, completion_logprobs, pack
-from flowopt.optimizers.weights.loss import aggregate, token_loss
+from flowopt.lm.packing import PackedBatch, pack
+from flowopt.lm.scoring import completion_logprobs
+from flowopt.optimizers.weights.loss import aggregate, sequence_weights, token_loss
 from flowopt.optimizers.weights.optim import make_optimizer
 from flowopt.optimizers.weights.policy import Policy
 
@@ -24,10 +32,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ScoredTransition:
+    """One LM call of a rollout with its rollout's advantage. ``sampler_logprobs`` are the sampler's
+    (reported against the training forward, not used by the loss); ``rollout`` names the rollout the
+    call belongs to (for ``aggregation="grpo"``; -1: a rollout of its own)."""
+
     prompt_ids: list[int]
     completion_ids: list[int]
-    old_logprobs: list[float]
+    sampler_logprobs: list[float]
     advantage: float
+    rollout: int = -1
 
 
 @dataclass
@@ -40,14 +53,17 @@ class UpdateStats:
     lr: float = 0.0
     transitions: int = 0
     tokens: int = 0
+    sampler_logprob_gap: float = 0.0  # mean |sampler log-prob - training-forward log-prob| per token
     skipped: bool = False
 
 
 @dataclass
 class _Micro:
     batch: PackedBatch
-    old: Any
+    sampler: Any
     advantages: Any
+    weights: Any
+    old: Any = None  # the first pass's log-probs, detached
     ref: Any = None
 
 
@@ -79,17 +95,22 @@ class GRPOLearner:
         import torch
 
         device = self.policy.device
+        rollouts = [t.rollout if t.rollout >= 0 else -1 - i for i, t in enumerate(items)]
+        weights = sequence_weights([len(t.completion_ids) for t in items], rollouts,
+                                   self.aggregation)  # type: ignore[arg-type]
         # Similar lengths together: less padding in every forward pass.
         order = sorted(range(len(items)), key=lambda i: (len(items[i].prompt_ids) + len(items[i].completion_ids)))
         micros = []
         for start in range(0, len(order), self.micro):
-            chunk = [items[i] for i in order[start:start + self.micro]]
+            rows = order[start:start + self.micro]
+            chunk = [items[i] for i in rows]
             batch = pack([t.prompt_ids for t in chunk], [t.completion_ids for t in chunk], self.policy.pad_id)
-            old = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)
+            sampler = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)
             for row, t in enumerate(chunk):
-                old[row, :len(t.old_logprobs)] = torch.as_tensor(t.old_logprobs, dtype=torch.float32)
+                sampler[row, :len(t.sampler_logprobs)] = torch.as_tensor(t.sampler_logprobs, dtype=torch.float32)
             advantages = torch.tensor([t.advantage for t in chunk], dtype=torch.float32)
-            micros.append(_Micro(batch.to(device), old.to(device), advantages.to(device)))
+            micro_weights = torch.tensor([weights[i] for i in rows], dtype=torch.float32)
+            micros.append(_Micro(batch.to(device), sampler.to(device), advantages.to(device), micro_weights.to(device)))
         return micros
 
     def update(self, items: Sequence[ScoredTransition]) -> UpdateStats:
@@ -109,7 +130,7 @@ class GRPOLearner:
             return stats
         policy = self.policy
         micros = self._micro_batches(items)
-        total_sequences, total_tokens = len(items), stats.tokens
+        total_tokens = stats.tokens
         with policy.lock:
             model = policy.model
             if self.beta != 0.0:
@@ -121,13 +142,15 @@ class GRPOLearner:
                     self.optimizer.zero_grad(set_to_none=True)
                     loss_sum = clip_low = clip_high = kl_sum = 0.0
                     for m in micros:
-                        logps = completion_logprobs(model, m.batch, self.temperature)
-                        tl = token_loss(logps, m.old, m.advantages, epsilon=self.epsilon,
-                                        epsilon_high=self.epsilon_high, beta=self.beta, ref_logps=m.ref)
-                        loss = aggregate(tl.loss, m.batch.completion_mask, self.aggregation,  # type: ignore[arg-type]
-                                         total_sequences=total_sequences, total_tokens=total_tokens)
-                        loss.backward()
                         mask = m.batch.completion_mask
+                        logps = completion_logprobs(model, m.batch, self.temperature)
+                        if m.old is None:  # the first pass: the old policy is this very forward
+                            m.old = logps.detach()
+                            stats.sampler_logprob_gap += float(((m.old - m.sampler).abs() * mask).sum()) / total_tokens
+                        tl = token_loss(logps, m.old, m.advantages, epsilon=self.epsilon, mask=mask,
+                                        epsilon_high=self.epsilon_high, beta=self.beta, ref_logps=m.ref)
+                        loss = aggregate(tl.loss, mask, weights=m.weights)
+                        loss.backward()
                         loss_sum += float(loss.detach())
                         clip_low += float((tl.clipped_low * mask).sum())
                         clip_high += float((tl.clipped_high * mask).sum())

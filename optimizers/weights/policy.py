@@ -59,7 +59,9 @@ class Policy:
     All forward passes, sampling and adapter changes hold ``local.lock``, so DSPy calls from other
     threads never see an adapter half-switched. :meth:`start_adapter` attaches a fresh adapter (or a copy
     of an earlier stage's, so GRPO continues from BootstrapFinetune while the earlier adapter stays
-    as it was) and makes it the only trainable parameters.
+    as it was), selects it for the training forward and makes it the only trainable parameters. It is
+    not made the LocalLM's default: programs that call ``local.lm`` (the caller's input program) keep
+    their weights; the trained program is pinned to the adapter instead (:mod:`.pinned`).
 
     Example:
         >>> from flowopt.lm import LocalLM
@@ -118,24 +120,11 @@ class Policy:
 
     @property
     def eos_ids(self) -> list[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.local.base_model, "generation_config", None), self.tokenizer):
-            value = getattr(source, "eos_token_id", None)
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list | tuple):
-                ids.update(int(v) for v in value)
-        first = self.tokenizer.eos_token_id
-        if first is not None:  # the tokenizer's own EOS first: it is the one appended to completions
-            return [int(first), *sorted(ids - {int(first)})]
-        return sorted(ids)
+        return self.local.eos_ids
 
     @property
     def pad_id(self) -> int:
-        for value in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id):
-            if value is not None:
-                return int(value)
-        return 0
+        return self.local.pad_id
 
     def render(self, messages: Messages) -> list[int]:
         """Prompt ids for chat ``messages``, exactly as the LocalLM builds them for generation."""
@@ -165,12 +154,12 @@ class Policy:
             if init_from is not None:
                 config = copy.deepcopy(self.model.peft_config[init_from])
                 config.inference_mode = False
-                self.local.add_adapter(name, config)
+                self.local.add_adapter(name, config, activate=False)
                 state = get_peft_model_state_dict(self.model, adapter_name=init_from)
                 set_peft_model_state_dict(self.model, state, adapter_name=name)
             else:
-                self.local.add_adapter(name, self.lora.peft_config())
-            self.model.set_adapter(name)  # marks only this adapter's weights trainable
+                self.local.add_adapter(name, self.lora.peft_config(), activate=False)
+            self.local.select_adapter(name)  # the training forward's weights, the only trainable ones
             self.adapter = name
 
     @contextlib.contextmanager
@@ -197,21 +186,12 @@ class Policy:
         """The reference model for KL scores: the base model (adapter disabled), or with ``adapter`` the
         policy a stage started from (e.g. GRPO after BootstrapFinetune keeps close to the fine-tuned
         model, not to the base one). Either way no second copy of the weights is made."""
-        if adapter is None:
-            with self.local.adapter_disabled():
-                yield self.model
-            return
-        with self.lock:
-            current = self.adapter
-            self.local.set_adapter(adapter)
-            try:
-                yield self.model
-            finally:
-                self.local.set_adapter(current)  # also makes the trained adapter's weights trainable again
+        with self.local.using_adapter(adapter):  # re-selects the trained adapter (and its trainability) after
+            yield self.model
 
     def weights_changed(self) -> None:
         """After an optimizer step: DSPy's cache must not answer with the old weights' results."""
-        self.local.mark_weights_changed()
+        self.local.mark_weights_changed(self.adapter)
 
     def adapter_state(self) -> dict[str, Any]:
         from peft import get_peft_model_state_dict

@@ -1,13 +1,12 @@
 """Whole-program rollouts on the policy, recording every LM call as a transition.
 
-:class:`PolicyEngine` is a DSPy engine (``complete(Request) -> Response``) over a :class:`Policy`.
-Wrapped in ``dspy.LM(..., engine=...)`` it serves the program's predictors through DSPy's real adapters;
-each call it answers is recorded as a :class:`Transition` (prompt ids, completion ids, their log-probs
-at sampling time) in the rollout that made it, found through a context variable, so calls from a
-Workflow's parallel node threads land in the right rollout too.
+The program's predictors call the student through flowopt's one local engine
+(:class:`flowopt.lm.engine.LocalEngine`), pinned to the trained adapter, with the lockstep batching
+policy and a recorder: each call is recorded as a :class:`Transition` (prompt ids, completion ids,
+their log-probs at sampling time) in the rollout that made it, found through a context variable, so
+calls from a Workflow's parallel node threads land in the right rollout too.
 
-:func:`run_rollouts` runs B examples x G samples of a program at once, one thread each, and batches
-their LM calls in lockstep (:mod:`.lockstep`).
+:func:`run_rollouts` runs B examples x G samples of a program at once, one thread each.
 """
 
 from __future__ import annotations
@@ -23,9 +22,9 @@ from typing import Any
 
 import dspy
 
-from flowopt.optimizers.weights.lockstep import LockstepBatcher
+from flowopt.lm.engine import LocalEngine, Lockstep
+from flowopt.lm.sampling import Sample
 from flowopt.optimizers.weights.policy import Policy
-from flowopt.optimizers.weights.sampling import Generated, sample_batch
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +66,22 @@ class _Recorder:
 _RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("flowopt_rollout", default=None)
 
 
+def _rollout_key() -> tuple[int, int] | None:
+    recorder = _RECORDER.get()
+    return recorder.key if recorder is not None else None
+
+
+def _record(sample: Sample) -> None:
+    """The engine's recorder hook: file the call under the rollout that made it."""
+    recorder = _RECORDER.get()
+    if recorder is None:
+        return
+    logprobs = sample.logprobs.tolist() if sample.logprobs is not None else []
+    with recorder.lock:
+        recorder.transitions.append(Transition(sample.prompt_ids, sample.completion_ids, logprobs, sample.text,
+                                               sample.finish_reason))
+
+
 class _QuietTruncation(logging.Filter):
     """Drop DSPy's "response was truncated" warning inside rollouts.
 
@@ -82,104 +97,14 @@ class _QuietTruncation(logging.Filter):
 _DSPY_LM_LOGGER = logging.getLogger("dspy.clients.lm")
 
 
-def _request_messages(request: Any) -> list[dict[str, str]]:
-    messages: list[dict[str, str]] = []
-    system = request.system
-    if system:
-        text = system if isinstance(system, str) else "".join(getattr(p, "text", "") or "" for p in system)
-        if text:
-            messages.append({"role": "system", "content": text})
-    for message in request.messages:
-        messages.append({"role": str(message.role), "content": message.text or ""})
-    return messages
+def policy_engine(policy: Policy, *, temperature: float, max_new_tokens: int, batching: Any = None) -> LocalEngine:
+    """The engine rollouts sample through: the policy's adapter pinned, every call recorded, sampling at
+    ``temperature`` whatever the request asks (the training forward assumes it), ``max_new_tokens`` at most."""
+    return LocalEngine(policy.local, adapter=policy.adapter, batching=batching, recorder=_record,
+                       temperature=temperature, max_new_tokens=max_new_tokens)
 
 
-@dataclass(frozen=True)
-class _Call:
-    prompt_ids: list[int]
-    stop: tuple[str, ...]
-    max_new_tokens: int
-    temperature: float
-
-
-class PolicyEngine:
-    """DSPy engine over a :class:`Policy`: renders requests to ids, samples, records transitions.
-
-    ``temperature=None`` uses each request's temperature (0 when unset): greedy serving for evaluation.
-    Without a ``batcher`` calls are served one at a time.
-
-    Example:
-        >>> lm = dspy.LM("local/student", engine=PolicyEngine(policy), cache=False)  # doctest: +SKIP
-        >>> with dspy.context(lm=lm):  # doctest: +SKIP
-        ...     dspy.Predict("cue -> word")(cue="red")
-    """
-
-    def __init__(self, policy: Policy, *, temperature: float | None = None, max_new_tokens: int = 256,
-                 generator: Any = None, batcher: LockstepBatcher | None = None) -> None:
-        self.policy = policy
-        self.temperature = temperature
-        self.max_new_tokens = max_new_tokens
-        self.generator = generator
-        self.batcher = batcher
-        self._lock = threading.Lock()
-        self.engine_errors: list[BaseException] = []
-
-    def complete(self, request: Any) -> Any:
-        from dspy.lm15 import Message, Response, TextPart, Usage
-
-        config = request.config
-        temperature = self.temperature if self.temperature is not None else (config.temperature or 0.0)
-        max_new = min(self.max_new_tokens, config.max_tokens) if config.max_tokens else self.max_new_tokens
-        call = _Call(self.policy.render(_request_messages(request)), tuple(config.stop or ()), max_new, temperature)
-        recorder = _RECORDER.get()
-        try:
-            if self.batcher is not None:
-                generated = self.batcher.submit(recorder.key if recorder else None, call)
-            else:
-                with self._lock:
-                    generated = self.generate([call])[0]
-        except Exception as err:
-            self.engine_errors.append(err)
-            raise
-        text = self.policy.decode(generated.completion_ids)
-        cut = min((k for k in (text.find(s) for s in call.stop) if k >= 0), default=-1)
-        if cut >= 0:
-            text = text[:cut]
-        if recorder is not None:
-            with recorder.lock:
-                recorder.transitions.append(Transition(call.prompt_ids, generated.completion_ids,
-                                                       generated.logprobs, text, generated.finish_reason))
-        n_in, n_out = len(call.prompt_ids), len(generated.completion_ids)
-        return Response(id=None, model="flowopt-policy", message=Message.assistant([TextPart(text)]),
-                        finish_reason="stop" if generated.finish_reason == "stop" else "length",
-                        usage=Usage(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out))
-
-    def generate(self, calls: Sequence[_Call]) -> list[Generated]:
-        """Sample all ``calls``; calls with different settings go in separate batches."""
-        results: list[Generated | None] = [None] * len(calls)
-        groups: dict[tuple[Any, ...], list[int]] = {}
-        for i, call in enumerate(calls):
-            groups.setdefault((call.stop, call.max_new_tokens, call.temperature), []).append(i)
-        policy = self.policy
-        for (stop, max_new, temperature), indices in groups.items():
-            with policy.lock:
-                out = sample_batch(policy.model, [calls[i].prompt_ids for i in indices], max_new_tokens=max_new,
-                                   temperature=temperature, eos_ids=policy.eos_ids, pad_id=policy.pad_id,
-                                   generator=self.generator, stop=stop, tokenizer=policy.tokenizer)
-            for i, generated in zip(indices, out):
-                results[i] = generated
-        return [r for r in results if r is not None]
-
-    def stream(self, request: Any) -> Any:
-        from dspy.lm15 import response_to_events
-
-        return response_to_events(self.complete(request))
-
-    def close(self) -> None:
-        pass
-
-
-def policy_lm(engine: PolicyEngine, **kwargs: Any) -> dspy.LM:
+def policy_lm(engine: LocalEngine, **kwargs: Any) -> dspy.LM:
     """A ``dspy.LM`` over ``engine``; never cached, since rollouts must sample afresh."""
     return dspy.LM("local/flowopt-policy", engine=engine, cache=False, num_retries=0, **kwargs)
 
@@ -232,9 +157,8 @@ def run_rollouts(program: dspy.Module, examples: Sequence[Any], group_size: int,
     n = len(examples) * group_size
     if n == 0:
         return []
-    engine = PolicyEngine(policy, temperature=temperature, max_new_tokens=max_new_tokens, generator=generator)
-    batcher: LockstepBatcher = LockstepBatcher(engine.generate, live=n, max_batch_size=max_batch_size)
-    engine.batcher = batcher
+    lockstep = Lockstep(policy.local, live=n, key=_rollout_key, generator=generator, max_batch_size=max_batch_size)
+    engine = policy_engine(policy, temperature=temperature, max_new_tokens=max_new_tokens, batching=lockstep)
     student = with_lm(program, policy_lm(engine))
     names = predictor_names(student)
     rollouts = [Rollout(i, j, ex) for i, ex in enumerate(examples) for j in range(group_size)]
@@ -255,7 +179,7 @@ def run_rollouts(program: dspy.Module, examples: Sequence[Any], group_size: int,
                     rollout.format_failure = is_format_failure(err)
                 rollout.trace = _named_trace(dspy.settings.trace or [], names)
         finally:
-            batcher.finished()
+            lockstep.finished()
             rollout.transitions = recorder.transitions
 
     quiet = _QuietTruncation()
@@ -264,14 +188,14 @@ def run_rollouts(program: dspy.Module, examples: Sequence[Any], group_size: int,
     workers = ThreadPoolExecutor(max_workers=n, thread_name_prefix="flowopt-rollout") if own_pool else pool
     try:
         futures = [workers.submit(parent.copy().run, one, r) for r in rollouts]
-        batcher.serve()  # all generation runs here, on the caller's thread
+        lockstep.serve()  # all generation runs here, on the caller's thread
         for future in futures:
             future.result()
     finally:
         _DSPY_LM_LOGGER.removeFilter(quiet)
         if own_pool:
             workers.shutdown(wait=True)
-    if engine.engine_errors:
-        raise engine.engine_errors[0]
-    logger.debug("rollouts: %d, LM batches %s", n, batcher.batch_sizes)
+    if lockstep.batcher.errors:  # the model failed (not the program): no rollout of this step counts
+        raise lockstep.batcher.errors[0]
+    logger.debug("rollouts: %d, LM batches %s", n, lockstep.batcher.batch_sizes)
     return rollouts

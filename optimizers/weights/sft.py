@@ -20,7 +20,8 @@ import dspy
 
 from flowopt.compiler.stage import Stage
 from flowopt.errors import BudgetExhausted, ConfigError
-from flowopt.optimizers.weights.batch import completion_logprobs, pack
+from flowopt.lm.packing import pack
+from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter
 from flowopt.optimizers.weights.optim import check_schedule, make_optimizer
 from flowopt.optimizers.weights.policy import LoraSettings, Policy

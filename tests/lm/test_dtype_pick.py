@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from flowopt.errors import ConfigError
-from flowopt.lm import local as local_module
-from flowopt.lm.local import LocalLM, pick_dtype
+from flowopt.lm import loading as loading_module
+from flowopt.lm.loading import pick_dtype
+from flowopt.lm.local import LocalLM
 
 
 @pytest.mark.parametrize(("avx512_bf16", "amx", "expected"), [
@@ -22,7 +23,7 @@ def test_cpu_default_follows_native_bf16_support(monkeypatch, avx512_bf16, amx, 
 
 
 def test_an_explicit_dtype_wins_and_a_bad_one_names_the_choices(monkeypatch):
-    monkeypatch.setattr(local_module, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(loading_module, "cpu_has_native_bf16", lambda: True)
     assert pick_dtype("cpu", "float32") == torch.float32
     assert pick_dtype("cpu", torch.float16) == torch.float16
     with pytest.raises(ConfigError, match="bfloat16"):

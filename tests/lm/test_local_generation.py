@@ -35,12 +35,12 @@ def test_same_seed_same_sample_other_seed_other_sample(tiny_local):
 
 
 def test_seeded_sample_is_the_same_alone_and_in_a_batch(tiny_local):
-    from flowopt.lm.generation import RowSettings, generate_batch
+    from flowopt.lm.sampling import RowSettings, sample
 
     rows = [RowSettings(max_new_tokens=10, temperature=1.0, seed=100 + i) for i in range(4)]
     prompts = [tiny_local.render(p) for p in PROMPTS[:4]]
-    together = generate_batch(tiny_local.model, tiny_local.tokenizer, prompts, rows)
-    alone = [generate_batch(tiny_local.model, tiny_local.tokenizer, [p], [r])[0] for p, r in zip(prompts, rows)]
+    together = sample(tiny_local.model, tiny_local.tokenizer, prompts, rows)
+    alone = [sample(tiny_local.model, tiny_local.tokenizer, [p], [r])[0] for p, r in zip(prompts, rows)]
     assert [s.completion_ids for s in together] == [s.completion_ids for s in alone]
 
 

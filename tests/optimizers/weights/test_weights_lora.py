@@ -6,10 +6,11 @@ import dspy
 import pytest
 import torch
 
-from flowopt.optimizers.weights.batch import completion_logprobs, pack
+from flowopt.lm.packing import pack
+from flowopt.lm.sampling import RowSettings, sample
+from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.learner import GRPOLearner, ScoredTransition
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
-from flowopt.optimizers.weights.sampling import sample_batch
 from flowopt.optimizers.weights.sft import sft_train
 
 
@@ -20,9 +21,10 @@ def _base_weights(policy: Policy) -> dict[str, torch.Tensor]:
 def _items(policy: Policy) -> list[ScoredTransition]:
     prompt = policy.render([{"role": "user", "content": "Cue: red Word:"}])
     gen = torch.Generator().manual_seed(0)
-    out = sample_batch(policy.model, [prompt] * 8, max_new_tokens=3, temperature=1.0, eos_ids=policy.eos_ids,
-                       pad_id=policy.pad_id, generator=gen)
-    return [ScoredTransition(prompt, o.completion_ids, o.logprobs, float(i % 2) - 0.5) for i, o in enumerate(out)]
+    rows = [RowSettings(max_new_tokens=3, temperature=1.0, logprobs=True)] * 8
+    out = policy.local.sample_ids([prompt] * 8, rows, adapter=policy.adapter, generator=gen)
+    return [ScoredTransition(prompt, o.completion_ids, o.logprobs.tolist(), float(i % 2) - 0.5)
+            for i, o in enumerate(out)]
 
 
 def test_gradients_reach_only_lora_parameters(tiny_local):
@@ -91,24 +93,24 @@ def test_sampled_logprobs_equal_training_forward_logprobs(tiny_local):
     prompts = [policy.render([{"role": "user", "content": t}]) for t in ("Cue: red Word:", "Noise: sun Cue: blue")]
     for temperature in (1.0, 0.7):
         gen = torch.Generator().manual_seed(1)
-        out = sample_batch(policy.model, prompts, max_new_tokens=5, temperature=temperature, eos_ids=[],
-                           pad_id=policy.pad_id, generator=gen)
+        rows = [RowSettings(max_new_tokens=5, temperature=temperature, logprobs=True)] * 2
+        out = policy.local.sample_ids(prompts, rows, adapter=policy.adapter, generator=gen)
         batch = pack(prompts, [o.completion_ids for o in out], policy.pad_id)
         with torch.no_grad():
             scored = completion_logprobs(policy.model, batch, temperature)
         for row, o in enumerate(out):
-            assert scored[row, :len(o.logprobs)].tolist() == pytest.approx(o.logprobs, abs=1e-4)
+            assert scored[row, :len(o.logprobs)].tolist() == pytest.approx(o.logprobs.tolist(), abs=1e-4)
 
 
 def test_greedy_sampling_matches_transformers_generate(tiny_local):
-    model = tiny_local.model
+    model, tokenizer = tiny_local.model, tiny_local.tokenizer
     prompts = [[2, 30, 31, 32, 33], [2, 34]]
-    out = sample_batch(model, prompts, max_new_tokens=6, temperature=0.0, eos_ids=[], pad_id=0)
+    out = sample(model, tokenizer, prompts, [RowSettings(max_new_tokens=6)] * 2)
     for prompt, o in zip(prompts, out):
         ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        assert o.completion_ids == ref[0, len(prompt):].tolist()
-        assert o.finish_reason == "length"
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=0)[0, len(prompt):].tolist()
+        assert o.completion_ids == ref[:len(o.completion_ids)] and len(ref) == len(o.completion_ids)
+        assert o.finish_reason == ("stop" if ref[-1] == tokenizer.eos_token_id else "length")
 
 
 def test_seeded_sampling_repeats(tiny_local):
@@ -116,8 +118,9 @@ def test_seeded_sampling_repeats(tiny_local):
     runs = []
     for _ in range(2):
         gen = torch.Generator().manual_seed(123)
-        runs.append([o.completion_ids for o in sample_batch(tiny_local.model, prompts, max_new_tokens=4,
-                                                            temperature=1.0, eos_ids=[3], pad_id=0, generator=gen)])
+        rows = [RowSettings(max_new_tokens=4, temperature=1.0)] * len(prompts)
+        runs.append([o.completion_ids for o in sample(tiny_local.model, tiny_local.tokenizer, prompts, rows,
+                                                      generator=gen)])
     assert runs[0] == runs[1]
 
 
@@ -173,15 +176,14 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_local):
 
 def test_sampling_stops_at_stop_strings(tiny_local):
     tokenizer = tiny_local.tokenizer
-    gen = torch.Generator().manual_seed(0)
     prompts = [[2, 30, 31]] * 16
-    free = sample_batch(tiny_local.model, prompts, max_new_tokens=12, temperature=1.0, eos_ids=[], pad_id=0,
-                        generator=gen)
+    free = sample(tiny_local.model, tokenizer, prompts, [RowSettings(max_new_tokens=12, temperature=1.0)] * 16,
+                  generator=torch.Generator().manual_seed(0))
     # pick a word that some free sample produced, and stop there
-    word = tokenizer.decode([free[0].completion_ids[3]])
-    gen = torch.Generator().manual_seed(0)
-    out = sample_batch(tiny_local.model, prompts, max_new_tokens=12, temperature=1.0, eos_ids=[], pad_id=0,
-                       generator=gen, stop=[word], tokenizer=tokenizer)
+    word = tokenizer.decode([next(f.completion_ids[1] for f in free if len(f.completion_ids) > 2)])
+    out = sample(tiny_local.model, tokenizer, prompts,
+                 [RowSettings(max_new_tokens=12, temperature=1.0, stop=(word,))] * 16,
+                 generator=torch.Generator().manual_seed(0))
     stopped = 0
     for f, o in zip(free, out):
         # same random stream: the run ends at the first token after which the text holds the stop string
@@ -190,8 +192,9 @@ def test_sampling_stops_at_stop_strings(tiny_local):
         if ends:
             stopped += 1
             assert o.completion_ids == f.completion_ids[:ends[0]] and o.finish_reason == "stop"
+            assert word not in o.text
         else:
-            assert o.completion_ids == f.completion_ids and o.finish_reason == "length"
+            assert o.completion_ids == f.completion_ids and o.finish_reason == f.finish_reason
     assert stopped >= 1
 
 
@@ -210,8 +213,9 @@ def test_reference_can_be_the_starting_adapter(tiny_local):
     with torch.no_grad(), policy.reference("first"):
         reference = completion_logprobs(policy.model, batch)
     assert torch.allclose(reference, first, atol=1e-5)
-    assert tiny_local.active_adapter == "second" and all("second" in n for n, p in policy.model.named_parameters()
-                                                          if p.requires_grad)
+    # Training adapters never become the default of unpinned calls; "second" is the trainable one.
+    assert tiny_local.active_adapter is None and all("second" in n for n, p in policy.model.named_parameters()
+                                                     if p.requires_grad)
     assert learner.update(items).kl > 0  # the second adapter moved away from the first
 
 
@@ -220,7 +224,7 @@ def test_rollouts_hide_dspys_truncation_warning_but_others_still_see_it(tiny_loc
     import logging
 
     from flowopt.lm import CompletionAdapter
-    from flowopt.optimizers.weights.rollout import PolicyEngine, policy_lm, run_rollouts
+    from flowopt.optimizers.weights.rollout import policy_engine, policy_lm, run_rollouts
 
     class Collect(logging.Handler):
         def __init__(self):
@@ -245,7 +249,7 @@ def test_rollouts_hide_dspys_truncation_warning_but_others_still_see_it(tiny_loc
         assert not [m for m in handler.messages if "truncated" in m]
         # Outside a rollout the same truncation is still reported.
         outside = dspy.Predict("noise, cue -> word")
-        outside.lm = policy_lm(PolicyEngine(policy, temperature=0.0, max_new_tokens=1))
+        outside.lm = policy_lm(policy_engine(policy, temperature=0.0, max_new_tokens=1))
         # A one-token answer may not parse; the warning comes first either way.
         with dspy.context(adapter=CompletionAdapter(continue_missing=False)), contextlib.suppress(Exception):
             outside(**examples[0].inputs())

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from flowopt.lm.packing import pack
 from flowopt.optimizers.weights.advantages import group_advantages
-from flowopt.optimizers.weights.batch import pack
-from flowopt.optimizers.weights.loss import aggregate, kl_k3, selective_logprobs, token_loss
+from flowopt.optimizers.weights.loss import aggregate, kl_k3, sequence_weights, token_loss
 
 # ----------------------------------------------------------------------------- advantages
 
@@ -191,19 +191,10 @@ def test_pack_masks_prompt_and_padding_tokens():
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
 
 
-def test_selective_logprobs_equal_log_softmax_gather():
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 3, 11, generator=gen)
-    targets = torch.randint(0, 11, (2, 3), generator=gen)
-    for temperature in (1.0, 0.7):
-        expected = torch.log_softmax(logits / temperature, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        assert torch.allclose(selective_logprobs(logits, targets, temperature), expected, atol=1e-6)
-
-
 def test_full_loss_on_a_model_ignores_prompt_and_padding(tiny_local):
     """End to end through the model: changing prompt-side padding or completion padding ids does not
     change the per-sequence loss."""
-    from flowopt.optimizers.weights.batch import completion_logprobs
+    from flowopt.lm.scoring import completion_logprobs
 
     model = tiny_local.model
     prompts, completions = [[2, 5, 6, 7], [2, 8]], [[9, 10], [11, 12, 13]]
@@ -214,3 +205,52 @@ def test_full_loss_on_a_model_ignores_prompt_and_padding(tiny_local):
     mask = pack(prompts, completions, pad_id=0).completion_mask
     assert torch.allclose(a * mask, b * mask, atol=1e-5)
     assert torch.allclose(a[0, :2], alone[0, :2], atol=1e-5)  # batch-mates and their padding do not leak
+
+
+# ----------------------------------------------------------------------------- issue 16's fixes 2 and 3
+
+
+def test_grpo_aggregation_weighs_every_rollout_the_same_however_many_calls_it_made():
+    """Rollout 0 made two LM calls (2 + 2 tokens), rollout 1 one call (3 tokens): each counts 1/2."""
+    per_token = torch.tensor([[1.0, 3.0, 0.0], [5.0, 7.0, 0.0], [2.0, 2.0, 2.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1]])
+    weights = torch.tensor(sequence_weights([2, 2, 3], [0, 0, 1], "grpo"))
+    expected = _mean([_mean([1, 3, 5, 7]), 2.0])
+    assert float(aggregate(per_token, mask, weights=weights)) == pytest.approx(expected)
+    # A per-call mean would give rollout 0 two thirds of the weight.
+    assert float(aggregate(per_token, mask, "grpo")) == pytest.approx(_mean([2.0, 6.0, 2.0]))
+    # Micro-batches with the whole batch's weights add up to the whole batch's loss.
+    parts = sum(aggregate(per_token[i:i + 1], mask[i:i + 1], weights=weights[i:i + 1]) for i in range(3))
+    assert float(parts) == pytest.approx(expected)
+    dapo = torch.tensor(sequence_weights([2, 2, 3], [0, 0, 1], "dapo"))
+    assert float(aggregate(per_token, mask, weights=dapo)) == pytest.approx(float(aggregate(per_token, mask, "dapo")))
+
+
+def test_every_transition_carries_its_rollouts_index():
+    from flowopt.optimizers.weights.grpo import _scored_transitions
+    from flowopt.optimizers.weights.rollout import Rollout, Transition
+
+    call = Transition([2, 5], [6, 3], [-0.1, -0.2], "x", "stop")
+    rollouts = [Rollout(0, 0, None, transitions=[call, call]), Rollout(0, 1, None, transitions=[call])]
+    items = _scored_transitions(rollouts, [0.5, -0.5])
+    assert [(t.rollout, t.advantage) for t in items] == [(0, 0.5), (0, 0.5), (1, -0.5)]
+
+
+def test_padding_is_masked_before_exp_so_the_kl_loss_stays_finite():
+    """A padding column holding log-prob -100 against a reference 0: exp(100) is inf in float32."""
+    values = [[-1.0, -100.0], [-0.5, -0.7]]
+    ref = torch.tensor([[-1.2, 0.0], [-0.4, -0.9]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    advantages = torch.tensor([1.0, -1.0])
+    before = torch.tensor(values, requires_grad=True)  # what happened before the fix: a NaN gradient
+    unmasked = token_loss(before, before.detach(), advantages, beta=0.04, ref_logps=ref)
+    aggregate(unmasked.loss, mask, "grpo").backward()
+    assert not torch.isfinite(before.grad).all()
+    logps = torch.tensor(values, requires_grad=True)
+    out = token_loss(logps, logps.detach(), advantages, beta=0.04, ref_logps=ref, mask=mask)
+    loss = aggregate(out.loss, mask, "grpo")
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logps.grad).all()
+    assert out.kl is not None and float(out.kl[0, 1]) == 0.0
+    # Real tokens are untouched by the mask.
+    assert torch.allclose(out.loss[mask.bool()], unmasked.loss[mask.bool()])

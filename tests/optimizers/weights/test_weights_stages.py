@@ -32,6 +32,18 @@ def _workflow(lm):
     return wf
 
 
+def _predictions(program, examples):
+    """Greedy answers (or the error) of ``program``; its LM must not cache, so the model is really asked."""
+    out = []
+    with dspy.context(adapter=AutoAdapter()):
+        for ex in examples:
+            try:
+                out.append(str(program(**ex.inputs()).word))
+            except Exception as err:  # an unparseable answer is an answer too
+                out.append(f"error: {type(err).__name__}")
+    return out
+
+
 def test_finetuned_workflow_records_its_adapter_and_reloads(tiny_saved_local, task, tmp_path):
     wf = _workflow(tiny_saved_local.lm)
     ctx = task.ctx(task.examples(24, seed=5), task.examples(8, seed=6), run_dir=tmp_path / "run" / "finetune",
@@ -58,15 +70,22 @@ def test_finetuned_workflow_records_its_adapter_and_reloads(tiny_saved_local, ta
 
 def test_grpo_continues_from_the_finetuned_adapter_and_leaves_it_intact(tiny_local, task, tmp_path):
     program = dspy.Predict(dspy.Signature("noise, cue -> word", "Answer."))
-    program.lm = tiny_local.lm
+    program.lm = tiny_local.lm.copy(cache=False)
     trainset = task.examples(32, seed=7)
+    before = _predictions(program, trainset[:8])
     sft_ctx = task.ctx(trainset, [], run_dir=tmp_path / "finetune", stage_name="finetune")
     grpo_ctx = task.ctx(trainset, [], run_dir=tmp_path / "grpo", stage_name="grpo")
     with dspy.context(adapter=AutoAdapter()):
-        tuned = BootstrapFinetune(teacher=_teacher(task), epochs=5, learning_rate=1e-2, lora=LORA).run(program, sft_ctx)
+        # Stages work on the copy compile() hands them; the caller's program shares the LocalLM.
+        tuned = BootstrapFinetune(teacher=_teacher(task), epochs=5, learning_rate=1e-2,
+                                  lora=LORA).run(program.deepcopy(), sft_ctx)
         sft_state = {k: v.clone() for k, v in _adapter_state(tiny_local, "finetune").items()}
-        GRPO(steps=2, batch_size=4, group_size=4, max_new_tokens=2, learning_rate=1e-2).run(tuned, grpo_ctx)
-    assert tiny_local.adapters == ["finetune", "grpo"] and tiny_local.active_adapter == "grpo"
+        trained = GRPO(steps=2, batch_size=4, group_size=4, max_new_tokens=2, learning_rate=1e-2).run(tuned, grpo_ctx)
+    # Both adapters are attached, but unpinned calls (the input program's) still run on the base weights:
+    # each trained program is pinned to its own adapter.
+    assert tiny_local.adapters == ["finetune", "grpo"] and tiny_local.active_adapter is None
+    assert _predictions(program, trainset[:8]) == before
+    assert trained.lm.engine.adapter == "grpo"
     # GRPO started from the fine-tuned weights: its first rollouts already score well
     assert grpo_ctx.info["reward_curve"][0]["mean_score"] > 0.5
     after = _adapter_state(tiny_local, "finetune")
@@ -186,13 +205,16 @@ def test_stages_are_registered_entry_points():
 
 
 def test_compile_runs_finetune_then_grpo_and_saves_a_loadable_program(tiny_saved_local, task, tmp_path):
-    wf = _workflow(tiny_saved_local.lm)
+    wf = _workflow(tiny_saved_local.lm.copy(cache=False))
     trainset, valset = task.examples(24, seed=11), task.examples(12, seed=12)
+    before = _predictions(wf, valset)
     stages = [BootstrapFinetune(teacher=_teacher(task), epochs=6, learning_rate=1e-2, lora=LORA),
               GRPO(steps=2, batch_size=2, group_size=4, max_new_tokens=2, learning_rate=1e-3, lora=LORA)]
     with dspy.context(adapter=AutoAdapter()):
         best = flowopt.compile(wf, trainset, task.metric, valset=valset, stages=stages, run_dir=tmp_path / "run",
                                quiet=True, num_threads=4)
+    # compile never changes its input: the caller's program answers as before (its LocalLM stays in base mode)
+    assert _predictions(wf, valset) == before and tiny_saved_local.active_adapter is None
     rows = {row.name: row for row in best.report.stages}
     assert rows["finetune"].kept and rows["finetune"].score > rows["baseline"].score
     assert rows["grpo"].info["steps_done"] == 2 and len(rows["grpo"].info["reward_curve"]) == 2

@@ -1,0 +1,110 @@
+"""Token layouts shared by the sampler, the scorer and training: left-padded prompts, completions after them.
+
+Prompts are left-padded to a common width and completions right-padded after them (as in TRL), so
+completion token ``j`` of every row sits in the same column, and positions are derived from the
+attention mask as ``generate()`` does. Also the tokenizer facts every user of the layout needs: the
+padding id and the end-of-sequence ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The id padding columns hold: the pad token, else EOS, else 0."""
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Every id that ends a completion (generation config and tokenizer); the tokenizer's own EOS first,
+    since it is the one appended to training completions."""
+    ids: set[int] = set()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for source in (getattr(base, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    first = tokenizer.eos_token_id
+    if first is not None:
+        return [int(first), *sorted(ids - {int(first)})]
+    return sorted(ids)
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, position_ids)`` of left-padded prompts (every prompt needs a token).
+
+    Example:
+        >>> ids, mask, positions = left_padded([[5, 6], [7]], pad=0)
+        >>> ids.tolist(), positions.tolist()
+        ([[5, 6], [0, 7]], [[0, 1], [0, 0]])
+    """
+    import torch
+
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("a prompt has no tokens")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+        attention[i, width - len(prompt):] = 1
+    return ids, attention, (attention.cumsum(-1) - 1).clamp(min=0)
+
+
+@dataclass
+class PackedBatch:
+    """(prompt, completion) pairs as tensors; ``completion_mask`` is 1.0 on real completion tokens."""
+
+    input_ids: torch.Tensor  # [N, P + C]
+    attention_mask: torch.Tensor  # [N, P + C]
+    position_ids: torch.Tensor  # [N, P + C]
+    completion_ids: torch.Tensor  # [N, C]
+    completion_mask: torch.Tensor  # [N, C], float
+
+    @property
+    def completion_width(self) -> int:
+        return int(self.completion_ids.shape[1])
+
+    def to(self, device: Any) -> PackedBatch:
+        return PackedBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids,
+                                                     self.completion_ids, self.completion_mask)))
+
+
+def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int) -> PackedBatch:
+    """Left-pad prompts, right-pad completions (at least one column); every prompt needs a token.
+
+    Example:
+        >>> batch = pack([[5, 6], [7]], [[8], [9, 10]], pad_id=0)
+        >>> batch.input_ids.tolist(), batch.completion_mask.tolist()
+        ([[5, 6, 8, 0], [0, 7, 9, 10]], [[1.0, 0.0], [1.0, 1.0]])
+    """
+    import torch
+
+    if len(prompts) != len(completions) or not prompts:
+        raise ValueError("pack needs one completion per prompt and at least one pair")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("a prompt has no tokens")
+    n = len(prompts)
+    p_width = max(len(p) for p in prompts)
+    c_width = max(1, max(len(c) for c in completions))
+    ids = torch.full((n, p_width + c_width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, p_width + c_width), dtype=torch.long)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        start = p_width - len(prompt)
+        ids[i, start:p_width] = torch.as_tensor(list(prompt), dtype=torch.long)
+        if completion:
+            ids[i, p_width:p_width + len(completion)] = torch.as_tensor(list(completion), dtype=torch.long)
+        attention[i, start:p_width + len(completion)] = 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    return PackedBatch(ids, attention, positions, ids[:, p_width:].clone(), attention[:, p_width:].float())

@@ -1,0 +1,91 @@
+"""The same seeded GRPO steps give the same rewards and adapter as the code before the runtime move.
+
+``data/grpo_reference.json`` holds, per step, the per-rollout rewards and losses and, per adapter
+tensor, its sum and L2 norm, recorded from the code *before* issue 15 moved the sampler, scorer and
+engine into ``flowopt.lm`` (commit 96dade9), twice:
+
+- ``sampler-old``: that code as it was (old log-probs from the sampler);
+- ``forward-old``: that code with issue 16's fix 1 as its only change (``old = logps.detach()``).
+
+The code now has fix 1, so it must repeat ``forward-old``: the same rewards (the same tokens were
+sampled) and the adapter within float32 rounding. Against ``sampler-old`` the rewards are still
+identical and the adapter norms agree to 1e-4; per-tensor sums differ by up to about 0.2% because a
+ratio that is 1 +- 1e-7 instead of exactly 1 changes gradients that AdamW's normalisation then
+amplifies for near-zero entries.
+
+Re-record (only when a change of behaviour is intended):
+``FLOWOPT_RECORD_GRPO_REFERENCE=forward-old pytest <this file>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import dspy
+import pytest
+
+from flowopt.lm import AutoAdapter
+from flowopt.optimizers.weights import GRPO, LoraSettings
+
+REFERENCE = Path(__file__).parent / "data" / "grpo_reference.json"
+CONFIGS = {
+    "dapo": {"aggregation": "dapo"},
+    "grpo-kl-2passes": {"aggregation": "grpo", "beta": 0.04, "passes": 2, "epsilon_high": 0.28,
+                        "scaling": "batch", "micro_batch_size": 3},
+}
+
+
+def _length_metric(example, prediction, trace=None):
+    return len(str(getattr(prediction, "word", "") or "")) / 10
+
+
+def _run(local, task, monkeypatch, settings):
+    from flowopt.optimizers.weights import grpo as grpo_module
+
+    rewards: list[float] = []
+    score = grpo_module.score_rollout
+
+    def recording(rollout, metric, **kwargs):
+        value = score(rollout, metric, **kwargs)
+        rewards.append(float(value))
+        return value
+
+    monkeypatch.setattr(grpo_module, "score_rollout", recording)
+    program = dspy.Predict(dspy.Signature("noise, cue -> word", "Answer."))
+    program.lm = local.lm
+    ctx = task.ctx(task.examples(16, seed=3), [], seed=11)
+    ctx.metric = _length_metric  # graded rewards: every step has advantages to learn from
+    stage = GRPO(steps=4, batch_size=2, group_size=4, max_new_tokens=3, learning_rate=2e-2,
+                 lora=LoraSettings(r=4, alpha=8), plot=False, **settings)
+    with dspy.context(adapter=AutoAdapter()):
+        stage.run(program, ctx)
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(local.model, adapter_name="grpo")
+    adapter = {k: {"sum": float(v.double().sum()), "norm": float(v.double().norm())} for k, v in sorted(state.items())}
+    losses = [float(p["loss"]) for p in ctx.info["reward_curve"]]
+    return {"rewards": rewards, "losses": losses, "adapter": adapter}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_seeded_grpo_steps_repeat_the_recorded_rewards_and_adapter(make_tiny_local, task, monkeypatch, config):
+    got = _run(make_tiny_local(), task, monkeypatch, CONFIGS[config])
+    record = os.environ.get("FLOWOPT_RECORD_GRPO_REFERENCE")
+    if record:
+        data = json.loads(REFERENCE.read_text()) if REFERENCE.is_file() else {}
+        data.setdefault(record, {})[config] = got
+        REFERENCE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    references = json.loads(REFERENCE.read_text())
+    want = references["forward-old"][config]
+    assert got["rewards"] == want["rewards"]
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-4, abs=1e-6)
+    assert set(got["adapter"]) == set(want["adapter"])
+    for key, stats in want["adapter"].items():
+        assert got["adapter"][key]["norm"] == pytest.approx(stats["norm"], rel=1e-5, abs=1e-7), key
+        assert got["adapter"][key]["sum"] == pytest.approx(stats["sum"], rel=1e-4, abs=1e-5), key
+    before_fix = references["sampler-old"][config]
+    assert got["rewards"] == before_fix["rewards"]
+    for key, stats in before_fix["adapter"].items():
+        assert got["adapter"][key]["norm"] == pytest.approx(stats["norm"], rel=1e-4, abs=1e-6), key
