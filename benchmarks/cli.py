@@ -59,6 +59,10 @@ def bench_parser(sub: argparse._SubParsersAction | None = None) -> argparse.Argu
     return parser
 
 
+def _no_bm25s_debug(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or record.name.split(".")[0] != "bm25s"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="flowopt", description="flowopt: a compiler for LLM programs")
@@ -75,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet = getattr(args, "quiet", False) and not args.verbose
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.verbose:
-        logging.getLogger("bm25s").setLevel(logging.WARNING)  # bm25s sets its own logger to DEBUG
+    if not args.verbose:  # bm25s sets its own logger to DEBUG when it is imported (later): filter at the handler
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_no_bm25s_debug)
     try:
         from flowopt.benchmarks.runner import run_bench
 

@@ -40,9 +40,9 @@ def _hotpot_context(kind: str) -> Workflow:
         return wf.add("answer", Predict("question, context: list[str] -> answer"))
     if kind == "cot":
         return wf.add("answer", ChainOfThought("question, context: list[str] -> answer"))
-    # Keep the 3 paragraphs that best match the question (BM25) and answer from them directly: a third of
+    # Keep the 2 paragraphs that best match the question (BM25) and answer from them directly: a fifth of
     # AFlow's 10-paragraph prompt, so a small model on a CPU reads (and trains on) far fewer tokens.
-    return (wf.add("retrieve", Retrieve(k=3))
+    return (wf.add("retrieve", Retrieve(k=2))
               .add("answer", Predict("question, passages: list[str] -> answer",
                                      "Answer with a short span (a few words) copied from the passages.")))
 

@@ -197,3 +197,14 @@ def test_help_advertises_stages_none_and_the_weights_settings():
     text = cli.bench_parser().format_help()
     for flag in ("'none'", "--labels", "--student", "--teacher", "--epochs", "--grpo-steps", "--group-size"):
         assert flag in text
+
+
+def test_bm25s_debug_lines_are_dropped(tmp_path, monkeypatch, caplog):
+    lm = scripted_lm(lambda req: {"answer": "Paris"}, cache=False)
+    monkeypatch.setattr(runner, "make_lm", lambda model, **kwargs: (lm, None))
+    caplog.set_level("DEBUG")
+    argv = ["bench", "hotpotqa-aflow", "--lm", "scripted/lm", "--program", "workflow", "--stages", "none",
+            "--train", "2", "--dev", "2", "--test", "3", "--out", str(tmp_path / "run"), "--threads", "1"]
+    assert cli.main(argv) == 0
+    assert lm.engine.calls == 3  # the retrieval program ran (bm25s logs while indexing)
+    assert not [r for r in caplog.records if r.name.startswith("bm25s")]
