@@ -118,6 +118,9 @@ def plan_bench(args: argparse.Namespace) -> BenchPlan:
     if args.labels == "only" and args.teacher:
         raise ConfigError("--labels only and --teacher contradict each other",
                           fix="use --labels mix to add teacher traces to the labels, or drop --teacher")
+    if args.student and args.student.removeprefix("local/") not in _embedded() and not Path(args.student).is_dir():
+        raise ConfigError(f"--student {args.student!r} is neither an embedded model nor a model folder",
+                          fix=f"pass --student {next(iter(_embedded()))} or a folder with a transformers model")
     names = parse_stage_names(args.stages)
     if args.labels != "none" and "finetune" not in names:
         raise ConfigError(f"--labels {args.labels} only applies to the finetune stage, which --stages lacks",
@@ -131,6 +134,12 @@ def plan_bench(args: argparse.Namespace) -> BenchPlan:
                           f"{proto.report_split} split", fix=f"pass --test {len(testset)} or fewer")
     stages = [build_stage(name, args) for name in names]
     return BenchPlan(proto, program, names, stages, trainset, valset, testset, out)
+
+
+def _embedded() -> tuple[str, ...]:
+    from flowopt.lm.gemma import ALIASES
+
+    return tuple(ALIASES)
 
 
 def _train_and_dev(proto: Protocol, n_train: int, n_dev: int, seed: int) -> tuple[list, list]:

@@ -168,6 +168,8 @@ def test_threads_reach_compile(tmp_path, scripted, monkeypatch):
     (["--test", "2000"], "exceeds the 1055 examples", "--test 1055"),
     (["--program", "magic"], "unknown program 'magic'", "use one of"),
     (["--resume"], "holds no earlier run", "drop --resume"),
+    (["--stages", "finetune", "--student", "no-such-model"], "neither an embedded model", "--student gemma-3-270m"),
+    (["--stages", "finetune", "--labels", "only", "--teacher", "openai/gpt-4o-mini"], "contradict", "--labels mix"),
 ])
 def test_every_setting_is_checked_before_any_lm_call_or_file(tmp_path, monkeypatch, caplog, extra, problem, fix):
     lm = scripted_lm(gsm8k_answer, cache=False)
