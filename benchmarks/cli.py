@@ -26,7 +26,8 @@ def bench_parser(sub: argparse._SubParsersAction | None = None) -> argparse.Argu
     parser.add_argument("--api-base", default=None, help="OpenAI-compatible endpoint (vLLM, Ollama, flowopt serve)")
     parser.add_argument("--program", default="cot", help="predict, cot or workflow (default: %(default)s)")
     parser.add_argument("--stages", default="demos,search",
-                        help="comma-separated compile stages, or 'none' (default: %(default)s)")
+                        help="comma-separated compile stages (labeled, demos, search, structure, finetune, grpo), "
+                             "or 'none' to score the baseline only (default: %(default)s)")
     parser.add_argument("--train", type=int, default=20, help="training examples (default: %(default)s)")
     parser.add_argument("--dev", type=int, default=20, help="validation examples for compile (default: %(default)s)")
     parser.add_argument("--test", type=int, default=50, help="report-split examples (default: %(default)s)")
@@ -35,14 +36,31 @@ def bench_parser(sub: argparse._SubParsersAction | None = None) -> argparse.Argu
     parser.add_argument("--max-tokens", type=int, default=256,
                         help="completion token limit per LM call (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=4, help="parallel evaluation threads")
+    parser.add_argument("--threads", type=int, default=4,
+                        help="parallel threads for scoring and for compile() (default: %(default)s)")
     parser.add_argument("--max-lm-calls", type=int, default=None, help="compile budget: LM calls")
     parser.add_argument("--max-cost-usd", type=float, default=None, help="compile budget: dollars")
     parser.add_argument("--max-wall-s", type=float, default=None, help="compile budget: wall time")
+    weights = parser.add_argument_group("weights stages (finetune, grpo)")
+    weights.add_argument("--student", default=None,
+                         help="model to train: a local model name or folder (default: the --lm model if local)")
+    weights.add_argument("--teacher", default=None,
+                         help="finetune teacher: an LM name such as openai/gpt-4o-mini (default: the program itself)")
+    weights.add_argument("--labels", choices=("none", "only", "mix"), default="none",
+                         help="finetune on the gold labels: 'only' (no teacher), 'mix' (with passing teacher "
+                              "traces) or 'none' (default: %(default)s)")
+    weights.add_argument("--epochs", type=int, default=3, help="finetune epochs (default: %(default)s)")
+    weights.add_argument("--grpo-steps", type=int, default=20, help="GRPO optimizer steps (default: %(default)s)")
+    weights.add_argument("--group-size", type=int, default=4,
+                         help="GRPO samples per question (default: %(default)s)")
     parser.add_argument("--out", default="runs/bench", help="output folder (default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or log lines: only the final table")
     return parser
+
+
+def _no_bm25s_debug(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or record.name.split(".")[0] != "bm25s"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,8 +76,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli_main(argv[1:])
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    quiet = getattr(args, "quiet", False) and not args.verbose
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # bm25s sets its own logger to DEBUG when it is imported (later): filter at the handler
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_no_bm25s_debug)
     try:
         from flowopt.benchmarks.runner import run_bench
 

@@ -7,14 +7,18 @@ Protocols are kept apart: each names its own files, splits, metric and input fie
     DSPy's own shuffle (``random.Random(0).shuffle``, exactly as ``dspy.datasets.gsm8k.GSM8K`` does it),
     so they are the examples DSPy's ``GSM8K().train`` / ``.dev`` hold. ``test`` is the official test
     set (1319, the report split), in DSPy's ``GSM8K().test`` order (the same seed-0 shuffle).
-    ``train_all`` is the whole official train set (7473) in file order. Metric ``gsm8k``.
+    ``train_all`` is the whole official train set (7473) in file order. Metric ``gsm8k_dspy`` (DSPy's
+    own ``gsm8k_metric``; flowopt's ``gsm8k_strict`` also reported).
 ``gsm8k-aflow`` (AFlow's GSM8K protocol)
     ``val`` is AFlow's validate split (264, the search split) and ``test`` its test split (1055,
-    the report split); together they are the official test set. Metric ``gsm8k_aflow``.
+    the report split); together they are the official test set. Metric ``gsm8k_aflow`` (AFlow's
+    scorer; ``gsm8k_strict`` also reported).
 ``hotpotqa-aflow`` (AFlow's HotpotQA protocol, distractor setting)
     ``val`` is AFlow's validate split (200), ``test`` its test split (800, the report split). Inputs
-    are ``question`` and ``context``: the record's paragraphs (normally 10, two of them gold), each
-    rendered as ``"Title: sentence sentence ..."``. Metric ``hotpot_f1`` (``hotpot_em`` also reported).
+    are ``question`` and ``context``: the record's paragraphs (normally 10, two of them gold) exactly as
+    AFlow gives them to the model, each its sentences joined by one space, without titles (AFlow's prompt
+    is ``"\\n".join(context)``; the titles are kept in ``titles``). Metric ``hotpot_f1_aflow`` (AFlow's F1;
+    the official ``hotpot_f1`` and ``hotpot_em`` also reported).
 ``hotpotqa-closedbook`` (open-domain / closed-book HotpotQA)
     The official dev questions (7405) without context. There is no other HotpotQA data here (the
     official train set is not shipped), so the train and search examples are taken from dev itself:
@@ -24,14 +28,14 @@ Protocols are kept apart: each names its own files, splits, metric and input fie
     ``train``/``val``, so use it only for programs not compiled on this protocol (e.g. a zero-shot
     baseline compared with published full-dev numbers). The AFlow distractor-1000 records are not
     used as train data because they are dev questions too. Each split is in dev-file order. Metric
-    ``hotpot_em`` (``hotpot_f1`` also reported).
+    ``hotpot_em_dspy`` (DSPy's ``answer_exact_match``; the official ``hotpot_em``/``hotpot_f1`` also reported).
 
 Examples are :class:`dspy.Example` objects with the protocol's input fields set and these fields:
 GSM8K: ``id``, ``question``, ``answer`` (the final number with thousands commas removed, e.g.
 ``"1200"`` for ``#### 1,200``), ``solution`` (the worked solution before the ``#### `` line, with its
 ``<<calc>>`` annotations). HotpotQA: ``id`` (the official ``_id``; closed-book: ``hotpot-dev-<n>``),
-``question``, ``answer``, ``type``, and for ``hotpotqa-aflow`` also ``context``, ``supporting_facts``
-and ``level``; closed-book examples carry ``dev_index`` (their 0-based position in the dev file).
+``question``, ``answer``, ``type``, and for ``hotpotqa-aflow`` also ``context``, ``titles``,
+``supporting_facts`` and ``level``; closed-book examples carry ``dev_index`` (their 0-based position in the dev file).
 
 Every data file is checked against the SHA-256 in the packaged ``data/SHA256SUMS`` the first time a
 process reads it (again only if its size or modification time changes); a mismatch raises
@@ -75,11 +79,11 @@ __all__ = [
     "DATA_DIR_ENV",
     "PROTOCOLS",
     "Protocol",
+    "aflow_paragraph",
     "data_dir",
     "get_protocol",
     "list_protocols",
     "load_split",
-    "render_paragraph",
     "verify_file",
 ]
 
@@ -250,15 +254,14 @@ def _load_gsm8k_aflow(split: str) -> list[dict[str, Any]]:
     ]
 
 
-def render_paragraph(title: str, sentences: list[str]) -> str:
-    """One HotpotQA context paragraph as ``"Title: sentence sentence ..."``.
+def aflow_paragraph(sentences: list[str]) -> str:
+    """One HotpotQA context paragraph as AFlow renders it: ``" ".join(sentences)``, no title.
 
     Example:
-        >>> render_paragraph("Ed Wood", ["Edward Wood was a filmmaker.", " He was American."])
-        'Ed Wood: Edward Wood was a filmmaker. He was American.'
+        >>> aflow_paragraph(["Edward Wood was a filmmaker.", " He was American."])
+        'Edward Wood was a filmmaker.  He was American.'
     """
-    body = " ".join(s.strip() for s in sentences if s.strip())
-    return f"{title}: {body}"
+    return " ".join(sentences)
 
 
 def _official_hotpot_ids() -> dict[tuple[str, str], str]:
@@ -277,7 +280,9 @@ def _load_hotpotqa_aflow(split: str) -> list[dict[str, Any]]:
             "id": rid,
             "question": rec["question"],
             "answer": rec["answer"],
-            "context": tuple(render_paragraph(title, sents) for title, sents in rec["context"]),
+            # AFlow: [item[1] for item in problem["context"] if isinstance(item[1], list)], each " ".join-ed.
+            "context": tuple(aflow_paragraph(sents) for _, sents in rec["context"] if isinstance(sents, list)),
+            "titles": tuple(title for title, sents in rec["context"] if isinstance(sents, list)),
             "supporting_facts": tuple((title, idx) for title, idx in rec["supporting_facts"]),
             "type": rec["type"],
             "level": rec["level"],
@@ -368,39 +373,39 @@ PROTOCOLS: Mapping[str, Protocol] = MappingProxyType({
         Protocol(
             name="gsm8k-dspy",
             description="GSM8K as DSPy measures it: 200 train / 300 val from the official train set, "
-            "report on the official test set (1319); last number equals the gold number",
-            train_split="train", search_split="val", report_split="test", metric="gsm8k",
-            input_fields=("question",),
+            "report on the official test set (1319); DSPy's gsm8k_metric",
+            train_split="train", search_split="val", report_split="test", metric="gsm8k_dspy",
+            input_fields=("question",), extra_metrics=("gsm8k_strict",),
             splits=MappingProxyType({"train": 200, "val": 300, "test": 1319, "train_all": 7473}),
             _loader=_load_gsm8k_dspy,
         ),
         Protocol(
             name="gsm8k-aflow",
             description="GSM8K as AFlow measures it: search on AFlow validate (264), report on AFlow "
-            "test (1055); last number within 1e-6",
+            "test (1055); AFlow's scorer (last number within 1e-6)",
             train_split="val", search_split="val", report_split="test", metric="gsm8k_aflow",
-            input_fields=("question",),
+            input_fields=("question",), extra_metrics=("gsm8k_strict",),
             splits=MappingProxyType({"val": 264, "test": 1055}),
             _loader=_load_gsm8k_aflow,
         ),
         Protocol(
             name="hotpotqa-aflow",
             description="HotpotQA distractor setting as AFlow measures it: context paragraphs given, "
-            "search on AFlow validate (200), report on AFlow test (800); answer F1 (and EM)",
-            train_split="val", search_split="val", report_split="test", metric="hotpot_f1",
+            "search on AFlow validate (200), report on AFlow test (800); AFlow's answer F1 (and the official F1, EM)",
+            train_split="val", search_split="val", report_split="test", metric="hotpot_f1_aflow",
             input_fields=("question", "context"),
             splits=MappingProxyType({"val": 200, "test": 800}),
-            extra_metrics=("hotpot_em",),
+            extra_metrics=("hotpot_f1", "hotpot_em"),
             _loader=_load_hotpotqa_aflow,
         ),
         Protocol(
             name="hotpotqa-closedbook",
             description="HotpotQA dev questions with no context: 200 train / 300 val taken from dev, "
-            "report on the other 6905 dev questions; answer EM (and F1)",
-            train_split="train", search_split="val", report_split="test", metric="hotpot_em",
+            "report on the other 6905 dev questions; DSPy's answer EM (and the official EM, F1)",
+            train_split="train", search_split="val", report_split="test", metric="hotpot_em_dspy",
             input_fields=("question",),
             splits=MappingProxyType({"train": 200, "val": 300, "test": 6905, "dev": 7405}),
-            extra_metrics=("hotpot_f1",),
+            extra_metrics=("hotpot_em", "hotpot_f1"),
             _loader=_load_hotpotqa_closedbook,
         ),
     )

@@ -1,4 +1,18 @@
-"""Benchmark metrics: GSM8K final-number match and HotpotQA answer EM / F1.
+r"""Benchmark metrics: each protocol's reference scorer, and flowopt's stricter scorer beside it.
+
+Reference scorers (a protocol's headline number, computed exactly as its reference computes it):
+
+* ``gsm8k_aflow`` (:func:`gsm8k_aflow_metric`): AFlow's ``GSM8KBenchmark``: the last match of
+  ``[-+]?\d+(?:,\d{3})*(?:\.\d+)?|\d+\.\d+`` in the whole output (Unicode digits included), commas
+  dropped, read as a float and compared with the gold read the same way within ``1e-6``;
+* ``gsm8k_dspy`` (:func:`gsm8k_dspy_metric`): DSPy's own ``dspy.datasets.gsm8k.gsm8k_metric``, called
+  as it is (the integer in the last number-bearing token of the answer's first line);
+* ``hotpot_f1_aflow`` (:func:`hotpot_f1_aflow`): AFlow's ``HotpotQABenchmark`` F1: the official
+  normalisation and token F1 without the yes/no/noanswer rule;
+* ``hotpot_em_dspy`` (:func:`hotpot_em_dspy`): DSPy's ``dspy.evaluate.answer_exact_match``.
+
+Strict scorers (reported beside them): ``gsm8k_strict`` (:func:`gsm8k_metric`), and the official
+``hotpot_evaluate_v1.py`` EM and F1 (``hotpot_em``, ``hotpot_f1``). The strict GSM8K reading follows.
 
 Every metric has the DSPy signature ``metric(example, pred, trace=None) -> float`` and returns a
 float in ``[0, 1]``. ``example`` is a :class:`dspy.Example` with a gold ``answer``; ``pred`` is a
@@ -11,6 +25,7 @@ GSM8K number reading (:func:`extract_numbers`), applied to the whole answer text
   group of exactly three digits separates numbers (``12,34`` is 12 then 34, ``1,2,3`` is 1, 2, 3);
 * currency: ``$``, ``€``, ``£``, ``¥`` and ``₹`` before the number are skipped (``$1,200``, ``-$5`` and
   ``$-5`` read as 1200, -5, -5);
+* digits: any Unicode decimal digit (full-width ``８``, Arabic-Indic ``٨``) reads as its ASCII digit;
 * negatives: a leading ``-``, ``+`` or Unicode minus ``−`` is a sign only when it is not glued to a
   preceding letter, digit or point (``-5`` and ``(-5)`` are -5; ``5-3`` is 5 then 3; ``x-3`` is 3);
 * decimals: ``3.5`` and ``.5`` are read exactly (as :class:`~decimal.Decimal`); a sentence-final point
@@ -39,6 +54,7 @@ from __future__ import annotations
 
 import re
 import string
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterable
 from decimal import Decimal
@@ -47,24 +63,32 @@ from typing import Any
 from flowopt.errors import ConfigError, DataError
 
 __all__ = [
+    "AFLOW_NUMBER_RE",
     "AFLOW_TOLERANCE",
     "METRICS",
+    "aflow_extract_number",
     "exact_match_score",
     "extract_last_number",
     "extract_numbers",
     "f1_score",
     "get_metric",
     "gsm8k_aflow_metric",
+    "gsm8k_dspy_metric",
     "gsm8k_metric",
     "hotpot_em",
+    "hotpot_em_dspy",
     "hotpot_f1",
+    "hotpot_f1_aflow",
     "normalize_answer",
 ]
 
 Metric = Callable[..., float]
 
-#: Absolute tolerance of the AFlow GSM8K protocol (AFlow's ``abs(gold - pred) <= 1e-6``).
-AFLOW_TOLERANCE = Decimal("1e-6")
+#: Absolute tolerance of the AFlow GSM8K protocol (AFlow's ``abs(gold - pred) <= 1e-6``, on floats).
+AFLOW_TOLERANCE = 1e-6
+#: AFlow's GSM8K number pattern (``GSM8KBenchmark.extract_number``), as AFlow writes it.
+AFLOW_NUMBER_RE = re.compile(r"[-+]?\d+(?:,\d{3})*(?:\.\d+)?|\d+\.\d+")
+_NON_ASCII_DIGIT_RE = re.compile(r"(?![0-9])\d")
 
 _NUMBER_RE = re.compile(
     r"(?:(?<![\w.])(?P<sign>[-+\u2212]))?"  # a sign not glued to a preceding word, digit or point
@@ -84,6 +108,7 @@ def extract_numbers(text: str) -> list[Decimal]:
         >>> [str(n) for n in extract_numbers("He paid $1,200.50, then -3 and 3/4 of 8%.")]
         ['1200.50', '-3', '0.75', '8']
     """
+    text = _NON_ASCII_DIGIT_RE.sub(lambda m: str(unicodedata.decimal(m.group())), text)
     numbers: list[Decimal] = []
     pos = 0
     while True:
@@ -138,9 +163,10 @@ def _gold_number(example: Any) -> Decimal:
 
 
 def gsm8k_metric(example: Any, pred: Any, trace: Any = None) -> float:
-    """DSPy GSM8K protocol: 1.0 if the last number in ``pred.answer`` equals the gold number.
+    """flowopt's strict GSM8K scorer: 1.0 if the last number in ``pred.answer`` equals the gold number.
 
-    Equality is exact on the decimal value (``18.00`` equals ``18``; ``18.5`` does not).
+    Numbers are read as the module docstring describes; equality is exact on the decimal value
+    (``18.00`` equals ``18``; ``18.000001`` does not).
 
     Example:
         >>> import dspy
@@ -151,16 +177,63 @@ def gsm8k_metric(example: Any, pred: Any, trace: Any = None) -> float:
     return 1.0 if value is not None and value == _gold_number(example) else 0.0
 
 
+def aflow_extract_number(text: Any) -> float | None:
+    """AFlow's ``extract_number``: the last pattern match, commas dropped, as a float (``None`` if none).
+
+    Example:
+        >>> aflow_extract_number("8-10 apples, so -$1,200.5")
+        1200.5
+        >>> aflow_extract_number("15/3")
+        3.0
+    """
+    matches = AFLOW_NUMBER_RE.findall(str(text))
+    if not matches:
+        return None
+    try:
+        return float(matches[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
 def gsm8k_aflow_metric(example: Any, pred: Any, trace: Any = None) -> float:
-    """AFlow GSM8K protocol: 1.0 if the last number in ``pred.answer`` is within 1e-6 of the gold number.
+    """AFlow's GSM8K scorer: 1.0 if AFlow's last number of the output is within 1e-6 of the gold's.
+
+    Like AFlow, the gold is read with the same pattern (``example.answer``: the final number, or the
+    whole GSM8K answer with its ``#### n`` line).
 
     Example:
         >>> import dspy
         >>> gsm8k_aflow_metric(dspy.Example(answer="2"), dspy.Prediction(answer="2.0000001"))
         1.0
     """
-    value = extract_last_number(_pred_answer(pred))
-    return 1.0 if value is not None and abs(value - _gold_number(example)) <= AFLOW_TOLERANCE else 0.0
+    gold = aflow_extract_number(getattr(example, "answer", ""))
+    if gold is None:
+        raise DataError(f"the example's gold answer {getattr(example, 'answer', None)!r} contains no number",
+                        fix="score GSM8K-style metrics only on examples whose `answer` is a number string")
+    value = aflow_extract_number(_pred_answer(pred))
+    if value is None:
+        return 0.0
+    return 1.0 if abs(gold - value) <= AFLOW_TOLERANCE else 0.0
+
+
+def gsm8k_dspy_metric(example: Any, pred: Any, trace: Any = None) -> float:
+    """DSPy's GSM8K scorer: ``dspy.datasets.gsm8k.gsm8k_metric`` itself, as a float.
+
+    Example:
+        >>> import dspy
+        >>> gsm8k_dspy_metric(dspy.Example(answer="18"), dspy.Prediction(answer="18 dollars\\nthen 5"))
+        1.0
+    """
+    from dspy.datasets.gsm8k import gsm8k_metric as dspy_gsm8k_metric
+
+    return float(dspy_gsm8k_metric(example, _AnswerOf(_pred_answer(pred))))
+
+
+class _AnswerOf:
+    """A prediction carrying only ``answer`` (DSPy's metrics read ``pred.answer``)."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
 
 
 _PUNCTUATION = frozenset(string.punctuation)
@@ -209,6 +282,11 @@ def f1_score(prediction: str, ground_truth: str) -> float:
     gold_norm = normalize_answer(ground_truth)
     if (pred_norm in _SPECIAL_ANSWERS or gold_norm in _SPECIAL_ANSWERS) and pred_norm != gold_norm:
         return 0.0
+    return _token_f1(pred_norm, gold_norm)
+
+
+def _token_f1(pred_norm: str, gold_norm: str) -> float:
+    """Token-overlap F1 of two normalised answers (0 without overlap)."""
     pred_tokens = pred_norm.split()
     gold_tokens = gold_norm.split()
     num_same = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
@@ -255,12 +333,42 @@ def hotpot_f1(example: Any, pred: Any, trace: Any = None) -> float:
     return max(f1_score(answer, gold) for gold in _golds(example))
 
 
+def hotpot_f1_aflow(example: Any, pred: Any, trace: Any = None) -> float:
+    """AFlow's HotpotQA F1: official normalisation and token F1, without the yes/no/noanswer rule.
+
+    Example:
+        >>> import dspy
+        >>> hotpot_f1_aflow(dspy.Example(answer="yes"), dspy.Prediction(answer="Yes, both are American."))
+        0.4
+    """
+    answer = _pred_answer(pred)
+    return max(_token_f1(normalize_answer(answer), normalize_answer(gold)) for gold in _golds(example))
+
+
+def hotpot_em_dspy(example: Any, pred: Any, trace: Any = None) -> float:
+    """DSPy's answer exact match (``dspy.evaluate.answer_exact_match``) itself, as a float.
+
+    Example:
+        >>> import dspy
+        >>> hotpot_em_dspy(dspy.Example(answer="Chief of Protocol"), dspy.Prediction(answer="chief of protocol."))
+        1.0
+    """
+    from dspy.evaluate import answer_exact_match
+
+    gold = getattr(example, "answer", None)
+    return float(answer_exact_match(_AnswerOf(list(gold) if isinstance(gold, tuple) else gold),
+                                    _AnswerOf(_pred_answer(pred))))
+
+
 #: Metrics by the name a :class:`~flowopt.benchmarks.datasets.Protocol` refers to them.
 METRICS: dict[str, Metric] = {
-    "gsm8k": gsm8k_metric,
     "gsm8k_aflow": gsm8k_aflow_metric,
+    "gsm8k_dspy": gsm8k_dspy_metric,
+    "gsm8k_strict": gsm8k_metric,
     "hotpot_em": hotpot_em,
+    "hotpot_em_dspy": hotpot_em_dspy,
     "hotpot_f1": hotpot_f1,
+    "hotpot_f1_aflow": hotpot_f1_aflow,
 }
 
 

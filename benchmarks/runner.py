@@ -1,17 +1,22 @@
-"""``flowopt bench``: baseline -> compile -> compiled, on one protocol, with every number written down.
+"""``flowopt bench``: baseline -> each stage in turn, every stage scored on the report split, nothing lost.
 
-Outputs in ``--out``: ``results.json`` (configuration, versions, per-stage scores with intervals, LM
-calls, tokens, cost, times), ``results.md`` (tables), ``scores.png`` (score per stage; score against
-cost), ``compiled.json`` (the compiled workflow) and ``run/`` (the compiler's checkpoints, for --resume).
+Every setting is checked first (:func:`~flowopt.benchmarks.settings.plan_bench`). Then the baseline and,
+after each stage, the best program so far are scored on the report split with the protocol's reference
+metric and its strict metrics, and ``--out`` is rewritten: ``results.json`` (configuration, versions,
+machine, one row per stage with validation and test scores, 95% intervals, failed examples, LM calls,
+tokens, wall and CPU seconds), ``results.md`` (tables), ``scores.png`` (test score per stage; score
+against cumulative LM calls) and ``compiled.json``. A stage that raises becomes a row with its error
+(and the run goes on from the best program so far), never a crash. Each stage compiles in its own
+``run/NN-name-<input program>`` folder, so ``--resume`` skips finished stages, re-tries a failed one and reuses every
+scored evaluation.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import hashlib
 import logging
 import platform
-import random
 import sys
 import time
 from pathlib import Path
@@ -19,11 +24,15 @@ from typing import Any
 
 import dspy
 
+from flowopt.compiler.evaluate import program_key
 from flowopt.errors import ConfigError
 from flowopt.io import atomic_write_json, atomic_write_text
 
-from .datasets import get_protocol, list_protocols, load_split
-from .programs import PROGRAMS, build_program
+from .datasets import get_protocol, list_protocols
+from .programs import PROGRAMS
+from .report import markdown, plot_scores, score_table
+from .scoring import TestScorer, paired_change
+from .settings import BenchPlan, plan_bench
 
 logger = logging.getLogger(__name__)
 
@@ -32,53 +41,17 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.list or not args.protocol:
         lines = ["protocols:"]
         for name in list_protocols():
-            proto = get_protocol(name)
-            lines.append(f"  {name:<20} {proto.description}")
+            lines.append(f"  {name:<20} {get_protocol(name).description}")
         lines.append(f"programs: {', '.join(PROGRAMS)}")
         lines.append("stages: labeled, demos, search, structure, finetune, grpo (comma-separated) or none")
         sys.stdout.write("\n".join(lines) + "\n")
         return 0
-    started = time.perf_counter()
-    proto = get_protocol(args.protocol)
-    metric = proto.metric_fn()
-    names = [] if args.stages.strip() in ("", "none") else [s.strip() for s in args.stages.split(",")]
-    stages = [("search", {"n_candidates": args.candidates}) if name == "search" else name for name in names]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    trainset, valset = _train_and_dev(proto, args.train, args.dev, args.seed)
-    testset = load_split(proto, proto.report_split, limit=args.test, seed=args.seed)
+    plan = plan_bench(args)  # every setting checked: nothing written, no LM called before this passes
     lm, adapter = make_lm(args.lm, api_base=args.api_base, max_tokens=args.max_tokens)
-    program = build_program(proto.name, args.program)
-
-    from flowopt.compiler import Budget, compile
-    from flowopt.compiler.evaluate import Evaluator
-
-    evaluator = Evaluator(metric, num_threads=args.threads, quiet=args.quiet, max_errors=len(testset))
-    with dspy.context(lm=lm, adapter=adapter):
-        baseline = _cached_eval(out / "baseline_test.json", evaluator, program, testset, "baseline on test", args)
-        budget = Budget(max_lm_calls=args.max_lm_calls, max_cost_usd=args.max_cost_usd, max_wall_s=args.max_wall_s)
-        compiled = compile(program, trainset, metric, valset=valset, stages=stages, budget=budget, seed=args.seed,
-                           run_dir=out / "run", resume=args.resume, quiet=args.quiet)
-        final = _cached_eval(out / "compiled_test.json", evaluator, compiled, testset, "compiled on test", args,
-                             key=compiled.canonical_json())
-    compiled.save(out / "compiled.json")
-    report = compiled.report
-    results = {
-        "protocol": proto.name,
-        "config": {k: v for k, v in vars(args).items() if k not in ("list", "func")},
-        "versions": _versions(),
-        "machine": f"{platform.platform()}, python {platform.python_version()}",
-        "splits": {"train": len(trainset), "dev": len(valset), "test": len(testset),
-                   "report_split": proto.report_split, "metric": proto.metric},
-        "test": {"baseline": baseline, "compiled": final, "change": final["score"] - baseline["score"]},
-        "compile": report.to_dict(),
-        "wall_s": time.perf_counter() - started,
-    }
-    atomic_write_json(out / "results.json", results)
-    atomic_write_text(out / "results.md", _markdown(results, report))
-    _plot(results, out / "scores.png")
-    sys.stdout.write(f"{report}\n\n{_test_table(results)}\nresults in {out}/\n")
-    return 0
+    plan.out.mkdir(parents=True, exist_ok=True)
+    results = _Run(plan, args).run(lm, adapter)
+    sys.stdout.write(f"{score_table(results)}\nresults in {plan.out}/\n")
+    return 0 if not any(row["status"] == "failed" for row in results["stages"]) else 1
 
 
 def make_lm(model: str, *, api_base: str | None = None, max_tokens: int = 256) -> tuple[Any, Any]:
@@ -99,31 +72,98 @@ def make_lm(model: str, *, api_base: str | None = None, max_tokens: int = 256) -
     return dspy.LM(model, **kwargs), None
 
 
-def _train_and_dev(proto: Any, n_train: int, n_dev: int, seed: int) -> tuple[list, list]:
-    if proto.train_split != proto.search_split:
-        return (load_split(proto, proto.train_split, limit=n_train, seed=seed),
-                load_split(proto, proto.search_split, limit=n_dev, seed=seed))
-    # One split serves both (AFlow's protocols): disjoint slices of one seeded shuffle.
-    pool = load_split(proto, proto.train_split)
-    order = list(range(len(pool)))
-    random.Random(seed).shuffle(order)
-    if n_train + n_dev > len(pool):
-        raise ConfigError(f"--train {n_train} + --dev {n_dev} exceeds the {len(pool)} examples of "
-                          f"{proto.name}'s {proto.train_split} split", fix="lower --train or --dev")
-    return [pool[i] for i in order[:n_train]], [pool[i] for i in order[n_train:n_train + n_dev]]
+class _Run:
+    """One bench run: the rows so far, rewritten to ``--out`` after each of them."""
+
+    def __init__(self, plan: BenchPlan, args: argparse.Namespace) -> None:
+        self.plan, self.args = plan, args
+        self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
+        self.scorer = TestScorer(plan.proto, plan.out, num_threads=args.threads, quiet=args.quiet,
+                                 resume=args.resume, seed=args.seed)
+        self.results: dict[str, Any] = {
+            "protocol": plan.proto.name,
+            "config": {k: v for k, v in vars(args).items() if k not in ("list", "func", "command", "verbose")},
+            "versions": _versions(),
+            "machine": f"{platform.platform()}, python {platform.python_version()}",
+            "splits": {"train": len(plan.trainset), "dev": len(plan.valset), "test": len(plan.testset),
+                       "report_split": plan.proto.report_split, "metric": plan.proto.metric,
+                       "strict_metrics": list(plan.proto.extra_metrics)},
+            "stages": [],
+            "status": "running",
+        }
+
+    def run(self, lm: Any, adapter: Any) -> dict[str, Any]:
+        from flowopt.compiler import Budget, compile
+
+        plan, args = self.plan, self.args
+        with dspy.context(lm=lm, adapter=adapter):
+            t0, c0 = time.perf_counter(), time.process_time()
+            best = plan.program
+            baseline = self.scorer.score(best, plan.testset, "baseline")
+            self._add({"name": "baseline", "status": "ok", "test": baseline, "kept": True,
+                       "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0})
+            calls_used = 0
+            for index, (name, stage) in enumerate(zip(plan.stage_names, plan.stages), start=1):
+                t0, c0 = time.perf_counter(), time.process_time()
+                row: dict[str, Any] = {"name": name}
+                budget = Budget(max_lm_calls=None if args.max_lm_calls is None else args.max_lm_calls - calls_used,
+                                max_cost_usd=args.max_cost_usd, max_wall_s=args.max_wall_s)
+                try:
+                    if budget.max_lm_calls is not None and budget.max_lm_calls < 1:
+                        raise ConfigError("the --max-lm-calls budget is spent", fix="raise --max-lm-calls")
+                    compiled = compile(best, plan.trainset, plan.proto.metric_fn(), valset=plan.valset,
+                                       stages=[stage], budget=budget, seed=args.seed,
+                                       run_dir=self._stage_dir(index, name, best), resume=args.resume,
+                                       num_threads=args.threads, quiet=args.quiet)
+                except Exception as err:  # a failed stage is a row: the run goes on from the best so far
+                    logger.error("stage %s failed: %s: %s", name, type(err).__name__, err)
+                    row.update(status="failed", error=f"{type(err).__name__}: {err}", kept=False)
+                else:
+                    stage_row = compiled.report.stages[-1]
+                    row["lm_calls"] = sum(s.lm_calls for s in compiled.report.stages)  # validation baseline too
+                    row["tokens"] = sum(s.tokens for s in compiled.report.stages)
+                    calls_used += row["lm_calls"]
+                    row.update(status="ok" if not stage_row.stop_reason.startswith("error") else "failed",
+                               error=None if stage_row.stop_reason.startswith(("done", "budget"))
+                               else stage_row.stop_reason,
+                               kept=stage_row.kept, val=_val(compiled.report), compile=stage_row.to_dict())
+                    best = compiled
+                row["test"] = self.scorer.score(best, plan.testset, f"after {name}")
+                row.update(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
+                self._add(row)
+            if hasattr(best, "save"):
+                best.save(plan.out / "compiled.json")
+        self.results["status"] = "done"
+        self._write()
+        return self.results
+
+    def _stage_dir(self, index: int, name: str, program: Any) -> Path:
+        """``run/NN-name-<input program>``: a stage resumes only from the same input program."""
+        text = program.canonical_json() if hasattr(program, "canonical_json") else program_key(program)
+        return self.plan.out / "run" / f"{index:02d}-{name}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+
+    def _add(self, row: dict[str, Any]) -> None:
+        row.setdefault("lm_calls", 0)  # compile cost; scoring on the report split is not counted
+        self.results["stages"].append(row)
+        rows = self.results["stages"]
+        self.results["test"] = {"baseline": rows[0]["test"], "compiled": rows[-1]["test"],
+                                "change": paired_change(rows[0]["test"], rows[-1]["test"])}
+        self._write()
+
+    def _write(self) -> None:
+        out = self.plan.out
+        self.results["wall_s"] = time.perf_counter() - self.started
+        self.results["cpu_s"] = time.process_time() - self.cpu_started
+        atomic_write_json(out / "results.json", self.results)
+        atomic_write_text(out / "results.md", markdown(self.results))
+        plot_scores(self.results, out / "scores.png")
 
 
-def _cached_eval(path: Path, evaluator: Any, program: Any, examples: list, desc: str, args: Any,
-                 key: str | None = None) -> dict[str, Any]:
-    """Evaluate once; with --resume, reuse a saved result of the same program and examples."""
-    ident = {"n": len(examples), "seed": args.seed, "key": key}
-    if args.resume and path.exists():
-        saved = json.loads(path.read_text())
-        if saved.get("ident") == ident:
-            return saved["result"]
-    result = evaluator.evaluate(program, examples, desc=desc).to_dict()
-    atomic_write_json(path, {"ident": ident, "result": result})
-    return result
+def _val(report: Any) -> dict[str, Any]:
+    """The stage's validation row: the compile baseline's score and the stage's."""
+    base, stage = report.stages[0], report.stages[-1]
+    return {"before": base.score, "score": stage.score, "ci": list(stage.ci) if stage.ci else None}
 
 
 def _versions() -> dict[str, str]:
@@ -131,57 +171,3 @@ def _versions() -> dict[str, str]:
 
     return {"flowopt": flowopt.__version__, "dspy": dspy.__version__, "python": platform.python_version()}
 
-
-def _test_table(results: dict[str, Any]) -> str:
-    t = results["test"]
-    split = results["splits"]
-
-    def row(name: str, r: dict[str, Any]) -> str:
-        return f"| {name} | {r['score']:.3f} | [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}] | {r['errors']} |"
-
-    return "\n".join([
-        f"Report split: {results['protocol']} {split['report_split']} ({split['test']} examples, "
-        f"metric {split['metric']})", "",
-        "| program | score | 95% interval | errors |", "|---|---:|---|---:|",
-        row("baseline", t["baseline"]), row("compiled", t["compiled"]),
-    ]) + "\n"
-
-
-def _markdown(results: dict[str, Any], report: Any) -> str:
-    cfg = results["config"]
-    return "\n".join([
-        f"# flowopt bench {results['protocol']}", "",
-        f"LM `{cfg['lm']}`, program `{cfg['program']}`, stages `{cfg['stages']}`, seed {cfg['seed']}, "
-        f"train {results['splits']['train']}, dev {results['splits']['dev']}.  ",
-        f"Machine: {results['machine']}; wall time {results['wall_s']:.0f} s.", "",
-        _test_table(results), "## Compile (validation split)", "", "```", str(report), "```", "",
-    ])
-
-
-def _plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    stages = results["compile"]["stages"]
-    names = [s["name"] for s in stages]
-    scores = [s["score"] for s in stages]
-    lows = [s["score"] - s["ci"][0] for s in stages]
-    highs = [s["ci"][1] - s["score"] for s in stages]
-    cost = [s.get("lm_calls_total", s.get("lm_calls", 0)) for s in stages]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.bar(names, scores, yerr=[lows, highs], capsize=4, color="#4a86e8")
-    left.set_ylabel("validation score")
-    left.set_title("score per stage")
-    left.set_ylim(0, 1)
-    right.plot(cost, scores, marker="o")
-    for name, x, y in zip(names, cost, scores):
-        right.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    right.set_xlabel("cumulative LM calls")
-    right.set_ylabel("validation score")
-    right.set_title("score against cost")
-    fig.suptitle(f"{results['protocol']} ({results['config']['lm']})")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import dspy
+from dspy.utils.exceptions import AdapterParseError
 
 from flowopt.compiler import BudgetStop, Stage, StageContext, clone_program
 from flowopt.compiler.evaluate import program_key, score_prediction
@@ -250,6 +251,9 @@ def _bootstrap_one(teacher: dspy.Module, names: dict[int, str], ctx: StageContex
             trace = list(dspy.settings.trace)
     except (BudgetStop, WorkflowError):
         raise
+    except AdapterParseError as err:  # an unparseable answer is a wrong answer (score 0), not a broken program
+        return {"index": index, "success": False, "score": 0.0, "parse_failed": True,
+                "detail": f"{type(err).__name__}: {str(err)[:200]}", "demos": {}}
     except Exception as err:  # the program failed on this example: not a success
         return {"index": index, "success": False, "error": f"{type(err).__name__}: {err}", "demos": {}}
     value = score_prediction(lambda ex, pred, _trace: ctx.metric(ex, pred, trace), example, prediction, index)
@@ -309,7 +313,7 @@ class BootstrapFewShot(Stage):
         names = [n for n, _ in program.named_predictors()]
         set_demos(program, compose_demos(ctx, pool, names, self.max_bootstrapped_demos, self.max_labeled_demos))
         ctx.record(candidates_tried=1, bootstrapped=len(pool.successes[: self.max_bootstrapped_demos]),
-                   attempts=len(pool.records))
+                   attempts=len(pool.records), parse_failures=sum(1 for r in pool.records if r.get("parse_failed")))
         if pool.exhausted_by:
             ctx.record(stop_reason=f"budget: {pool.exhausted_by}")
         return program

@@ -1,10 +1,11 @@
-"""BootstrapFinetune: LoRA supervised fine-tuning of the student on the teacher's passing traces.
+"""BootstrapFinetune: LoRA supervised fine-tuning of the student on the teacher's passing traces or gold labels.
 
 The teacher (default: the program as it is, e.g. after demo and instruction search on a large hosted
 LM) runs on the trainset; every predictor call of a run that passes the metric becomes a
 (prompt, completion) pair (:mod:`.traces`); one LoRA adapter for all predictors is trained on the
 student with the loss on completion tokens only; the adapter is saved under the stage's run folder
-and every predictor of the returned program uses the student with it.
+and every predictor of the returned program uses the student with it. With ``labels="only"`` the gold
+labels are the teacher (:func:`.traces.label_pairs`); ``labels="mix"`` adds them to the passing traces.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter
 from flowopt.optimizers.weights.optim import check_schedule, make_optimizer
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
-from flowopt.optimizers.weights.traces import teacher_pairs
+from flowopt.optimizers.weights.traces import TraceStats, label_pairs, teacher_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +83,17 @@ class BootstrapFinetune(Stage):
     ``teacher``: ``None`` (the program as it is), a ``dspy.LM`` (the program on that LM) or a
     ``dspy.Module``. ``student``: ``None`` (the local model the program runs on, else the embedded
     Gemma 3 270M), a model name or folder, a ``LocalLM`` or its ``dspy.LM``. A run passes when
-    ``metric >= metric_threshold`` (truthy when ``None``).
+    ``metric >= metric_threshold`` (truthy when ``None``). ``labels``: ``None`` (teacher traces only),
+    ``"only"`` (the gold labels are the teacher: answers, and a gold rationale such as GSM8K's
+    ``solution`` for a ``reasoning`` field; no teacher call is made) or ``"mix"`` (labels and passing
+    teacher traces together).
 
     Example:
         >>> import flowopt
         >>> from flowopt.optimizers.weights import BootstrapFinetune
         >>> stage = BootstrapFinetune(teacher=dspy.LM("openai/gpt-4o-mini"), epochs=3)
         >>> compiled = flowopt.compile(program, trainset, metric, stages=[stage])  # doctest: +SKIP
+        >>> from_labels = BootstrapFinetune(labels="only", epochs=2)  # offline: no teacher needed
     """
 
     name: ClassVar[str] = "finetune"
@@ -108,8 +113,12 @@ class BootstrapFinetune(Stage):
     max_length: int = 2048
     lora: LoraSettings = field(default_factory=LoraSettings)
     adapter: Any = None
+    labels: str | None = None
 
     def __post_init__(self) -> None:
+        if self.labels not in (None, "only", "mix"):
+            raise ConfigError(f"labels must be None, 'only' or 'mix', got {self.labels!r}",
+                              fix="pass labels='only' to learn from the gold labels alone, 'mix' to add them")
         for name in ("epochs", "batch_size", "micro_batch_size", "max_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", fix=f"pass {name}=1 or more")
@@ -139,10 +148,15 @@ class BootstrapFinetune(Stage):
         adapter = rollout_adapter(self.adapter, policy)
         started = time.monotonic()
         try:
-            with ctx.budget.guard():
-                pairs, stats = teacher_pairs(self._teacher(program), ctx.trainset, ctx.metric, adapter,
-                                             metric_threshold=self.metric_threshold,
-                                             num_threads=getattr(ctx, "num_threads", 8))
+            pairs = label_pairs(program, ctx.trainset, adapter) if self.labels else []
+            n_labels = len(pairs)
+            stats = TraceStats()
+            if self.labels != "only":
+                with ctx.budget.guard():
+                    traced, stats = teacher_pairs(self._teacher(program), ctx.trainset, ctx.metric, adapter,
+                                                  metric_threshold=self.metric_threshold,
+                                                  num_threads=getattr(ctx, "num_threads", 8))
+                pairs += traced
         except BudgetExhausted as err:
             ctx.record(stop_reason=f"budget: {err.limit}")
             return program
@@ -152,7 +166,7 @@ class BootstrapFinetune(Stage):
             prompt, completion = policy.render(pair.messages), policy.completion_ids(pair.completion)
             if len(prompt) + len(completion) <= self.max_length:
                 data.append((prompt, completion))
-        info: dict[str, Any] = {"teacher_runs": stats.runs, "teacher_passed": stats.passed,
+        info: dict[str, Any] = {"label_pairs": n_labels, "teacher_runs": stats.runs, "teacher_passed": stats.passed,
                                 "teacher_failed": stats.failed_runs, "pairs": len(data),
                                 "pairs_too_long": len(pairs) - len(data)}
         if not data:

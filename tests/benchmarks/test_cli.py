@@ -39,22 +39,22 @@ def test_bench_writes_every_output(tmp_path, scripted, capsys):
     out = tmp_path / "run"
     results = json.loads((out / "results.json").read_text())
     assert results["protocol"] == "gsm8k-aflow"
-    assert results["splits"] == {"train": 6, "dev": 6, "test": 8, "report_split": "test", "metric": "gsm8k_aflow"}
+    assert results["splits"] == {"train": 6, "dev": 6, "test": 8, "report_split": "test", "metric": "gsm8k_aflow",
+                                 "strict_metrics": ["gsm8k_strict"]}
     assert results["test"]["baseline"]["n"] == 8 and results["test"]["compiled"]["n"] == 8
     assert results["config"]["stages"] == "demos" and results["versions"]["dspy"]
-    names = [s["name"] for s in results["compile"]["stages"]]
-    assert names[0] == "baseline" and "demos" in names
+    assert [s["name"] for s in results["stages"]] == ["baseline", "demos"] and results["status"] == "done"
     assert (out / "scores.png").read_bytes().startswith(b"\x89PNG")
     md = (out / "results.md").read_text()
-    assert "| baseline |" in md and "| compiled |" in md
+    assert "| baseline | ok |" in md and "| demos | ok |" in md
     compiled = json.loads((out / "compiled.json").read_text())
     assert compiled["schema"] == "flowopt.workflow/v1"
     demos = compiled["nodes"][0]["predictors"]["cot.predict"]["demos"]
     assert demos, "the demos stage should have attached demonstrations"
     printed = capsys.readouterr().out
-    assert "compiled" in printed and str(out) in printed
+    assert "| demos | ok | 1.000" in printed and str(out) in printed
     assert results["test"]["baseline"]["score"] == 0.0 and results["test"]["compiled"]["score"] == 1.0
-    assert results["test"]["change"] == 1.0
+    assert results["test"]["change"]["mean"] == 1.0 and results["test"]["change"]["n"] == 8
 
 
 def test_bench_resume_pays_nothing_twice(tmp_path, scripted):
@@ -81,3 +81,132 @@ def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "flowopt.benchmarks.cli", "bench", "--list"],
                          capture_output=True, text=True, check=True).stdout
     assert "hotpotqa-aflow" in out
+
+
+def test_quiet_prints_only_the_table(tmp_path, scripted, capsys):
+    assert bench(tmp_path / "run") == 0
+    captured = capsys.readouterr()
+    assert "DEBUG" not in captured.out + captured.err and "bm25s" not in captured.err
+    assert captured.out.startswith("Report split:")
+
+
+def test_bench_rows_and_plot_are_written_after_each_stage(tmp_path, scripted, monkeypatch):
+    """The results on disk after the baseline already hold its row, before any stage runs."""
+    seen = []
+    real_write = runner._Run._write
+
+    def spy(self):
+        real_write(self)
+        seen.append([row["name"] for row in json.loads((self.plan.out / "results.json").read_text())["stages"]])
+
+    monkeypatch.setattr(runner._Run, "_write", spy)
+    assert bench(tmp_path / "run", "--stages", "labeled,demos") == 0
+    assert seen[:3] == [["baseline"], ["baseline", "labeled"], ["baseline", "labeled", "demos"]]
+
+
+def test_a_failed_stage_is_a_row_and_resume_goes_on(tmp_path, scripted, monkeypatch):
+    from flowopt.optimizers.demos import BootstrapFewShot
+
+    def broken(self, program, ctx):
+        raise RuntimeError("the stage broke")
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(BootstrapFewShot, "run", broken)
+        assert bench(out, "--stages", "demos,labeled") == 1  # a failed stage: exit 1, but every file is written
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["name"]: r for r in results["stages"]}
+    assert rows["demos"]["status"] == "failed" and "the stage broke" in rows["demos"]["error"]
+    assert rows["labeled"]["status"] == "ok" and rows["labeled"]["test"]["score"] == 1.0  # went on after it
+    assert "failed: RuntimeError: the stage broke" in (out / "results.md").read_text()
+    assert (out / "scores.png").read_bytes().startswith(b"\x89PNG")
+    calls = scripted.engine.calls
+    assert bench(out, "--stages", "demos,labeled", "--resume") == 0  # the failed stage is tried again
+    again = {r["name"]: r for r in json.loads((out / "results.json").read_text())["stages"]}
+    assert again["demos"]["status"] == "ok" and again["demos"]["test"]["score"] == 1.0
+    assert scripted.engine.calls > calls
+
+
+def test_parse_failures_are_counted_per_stage(tmp_path, monkeypatch):
+    lm = scripted_lm(lambda req: "no fields here at all", cache=False)
+    monkeypatch.setattr(runner, "make_lm", lambda model, **kwargs: (lm, None))
+    assert bench(tmp_path / "run", "--stages", "none") == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["stages"][0]["test"]["errors"] == 8 and results["stages"][0]["test"]["score"] == 0.0
+    assert "| 8/8 |" in (tmp_path / "run" / "results.md").read_text()
+
+
+def test_threads_reach_compile(tmp_path, scripted, monkeypatch):
+    import flowopt.compiler
+
+    seen = {}
+    real = flowopt.compiler.compile
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flowopt.compiler, "compile", spy)
+    assert bench(tmp_path / "run") == 0  # bench passes --threads 2
+    assert seen["num_threads"] == 2
+
+
+@pytest.mark.parametrize(("extra", "problem", "fix"), [
+    (["--stages", "demos,nope"], "unknown stage 'nope'", "use one of"),
+    (["--stages", "demos,,search"], "empty stage name", "--stages none"),
+    (["--candidates", "0"], "--candidates must be >= 1", "--candidates 1"),
+    (["--max-lm-calls", "-1"], "--max-lm-calls must be >= 1", "leave it out"),
+    (["--dev", "0"], "--dev must be >= 1", "--dev 1"),
+    (["--train", "-1"], "--train must be >= 1", "--train 1 or more"),
+    (["--test", "0"], "--test must be >= 1", "--test 1"),
+    (["--max-tokens", "-1"], "--max-tokens must be >= 1", "--max-tokens 1"),
+    (["--threads", "0"], "--threads must be >= 1", "--threads 1"),
+    (["--epochs", "0"], "--epochs must be >= 1", "--epochs 1"),
+    (["--group-size", "1"], "--group-size must be >= 2", "--group-size 2"),
+    (["--labels", "only"], "only applies to the finetune stage", "add finetune"),
+    (["--train", "300"], "exceeds the 264 examples", "lower --train"),
+    (["--test", "2000"], "exceeds the 1055 examples", "--test 1055"),
+    (["--program", "magic"], "unknown program 'magic'", "use one of"),
+    (["--resume"], "holds no earlier run", "drop --resume"),
+    (["--stages", "finetune", "--student", "no-such-model"], "neither an embedded model", "--student gemma-3-270m"),
+    (["--stages", "finetune", "--labels", "only", "--teacher", "openai/gpt-4o-mini"], "contradict", "--labels mix"),
+])
+def test_every_setting_is_checked_before_any_lm_call_or_file(tmp_path, monkeypatch, caplog, extra, problem, fix):
+    lm = scripted_lm(gsm8k_answer, cache=False)
+    monkeypatch.setattr(runner, "make_lm", lambda model, **kwargs: (lm, None))
+    out = tmp_path / "runs" / "bench"
+    assert bench(out, *extra) == 2
+    assert lm.engine.calls == 0 and not (tmp_path / "runs").exists()
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert problem in message and fix in message, message
+
+
+def test_out_that_is_a_file_is_a_clear_error(tmp_path, caplog):
+    target = tmp_path / "results.txt"
+    target.write_text("keep me")
+    assert bench(target) == 2
+    assert "is a file, not a folder" in caplog.text and target.read_text() == "keep me"
+
+
+def test_stages_none_scores_the_baseline_only(tmp_path, scripted):
+    assert bench(tmp_path / "run", "--stages", "none") == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert [r["name"] for r in results["stages"]] == ["baseline"]
+    assert results["test"]["change"]["mean"] == 0.0
+
+
+def test_help_advertises_stages_none_and_the_weights_settings():
+    text = cli.bench_parser().format_help()
+    for flag in ("'none'", "--labels", "--student", "--teacher", "--epochs", "--grpo-steps", "--group-size"):
+        assert flag in text
+
+
+def test_bm25s_debug_lines_are_dropped(tmp_path, monkeypatch, caplog):
+    lm = scripted_lm(lambda req: {"answer": "Paris"}, cache=False)
+    monkeypatch.setattr(runner, "make_lm", lambda model, **kwargs: (lm, None))
+    caplog.set_level("DEBUG")
+    argv = ["bench", "hotpotqa-aflow", "--lm", "scripted/lm", "--program", "workflow", "--stages", "none",
+            "--train", "2", "--dev", "2", "--test", "3", "--out", str(tmp_path / "run"), "--threads", "1"]
+    assert cli.main(argv) == 0
+    assert lm.engine.calls == 3  # the retrieval program ran (bm25s logs while indexing)
+    assert not [r for r in caplog.records if r.name.startswith("bm25s")]

@@ -1,0 +1,80 @@
+"""BootstrapFinetune from gold labels: label pairs (answers, GSM8K rationales), labels alone and mixed."""
+
+from __future__ import annotations
+
+import dspy
+import pytest
+
+import flowopt
+from flowopt import ConfigError
+from flowopt.lm.completion_adapter import AutoAdapter
+from flowopt.modules import ChainOfThought, Predict, Retrieve
+from flowopt.optimizers.weights import BootstrapFinetune, LoraSettings
+from flowopt.optimizers.weights.traces import gold_outputs, label_pairs
+from flowopt.testing import scripted_lm
+
+LORA = LoraSettings(r=4, alpha=8)
+
+
+def test_gold_outputs_take_answers_and_a_gold_rationale_without_calculator_notes():
+    ex = dspy.Example(question="q", answer="72", solution="48/2 = <<48/2=24>>24\n48+24 = <<48+24=72>>72")
+    assert gold_outputs(ex, ["reasoning", "answer"]) == {"reasoning": "48/2 = 24\n48+24 = 72", "answer": "72"}
+    assert gold_outputs(dspy.Example(answer=["Paris", "paris"]), ["answer"]) == {"answer": "Paris"}
+    assert gold_outputs(dspy.Example(answer="Paris"), ["reasoning", "answer"]) is None
+
+
+def test_label_pairs_run_retrieval_and_supervise_the_answer_node():
+    wf = flowopt.Workflow("question, context: list[str] -> answer", name="rag")
+    wf.add("retrieve", Retrieve(k=1)).add("answer", Predict("question, passages: list[str] -> answer"))
+    ex = dspy.Example(question="Where is the Eiffel Tower?", answer="Paris",
+                      context=["Cats sleep a lot.", "The Eiffel Tower is in Paris."]).with_inputs("question", "context")
+    adapter = dspy.ChatAdapter()
+    [pair] = label_pairs(wf, [ex], adapter)
+    assert pair.node == "answer"
+    prompt = pair.messages[-1]["content"]
+    assert "The Eiffel Tower is in Paris." in prompt and "Cats sleep" not in prompt  # retrieval ran
+    assert "[[ ## answer ## ]]\nParis" in pair.completion
+
+
+def test_label_pairs_need_a_rationale_for_a_reasoning_field():
+    program = ChainOfThought("question -> answer")
+    adapter = dspy.ChatAdapter()
+    gsm = dspy.Example(question="2+2?", answer="4", solution="2+2=<<2+2=4>>4").with_inputs("question")
+    [pair] = label_pairs(program, [gsm], adapter)
+    assert "2+2=4" in pair.completion and "<<" not in pair.completion and "4" in pair.completion
+    with pytest.raises(ConfigError, match="reasoning field needs a gold rationale"):
+        label_pairs(program, [dspy.Example(question="Capital?", answer="Paris").with_inputs("question")], adapter)
+
+
+def test_labels_setting_is_checked():
+    with pytest.raises(ConfigError, match="labels must be None, 'only' or 'mix'"):
+        BootstrapFinetune(labels="gold")
+
+
+def _right(program, example, task) -> float:
+    try:
+        return task.metric(example, program(**example.inputs()))
+    except Exception:  # an unparseable answer of the untrained model is a wrong answer
+        return 0.0
+
+
+def test_finetune_from_labels_only_learns_without_a_teacher(tiny_local, task):
+    program = dspy.Predict(dspy.Signature("noise, cue -> word", "Answer."))
+    program.lm = tiny_local.lm
+    ctx = task.ctx(task.examples(24, seed=5), task.examples(16, seed=6), stage_name="finetune")
+    with dspy.context(adapter=AutoAdapter()):
+        before = sum(_right(program, ex, task) for ex in ctx.valset)
+        out = BootstrapFinetune(labels="only", epochs=6, learning_rate=1e-2, lora=LORA).run(program, ctx)
+        after = sum(_right(out, ex, task) for ex in ctx.valset)
+    assert ctx.info["label_pairs"] == 24 and ctx.info["teacher_runs"] == 0 and ctx.info["pairs"] == 24
+    assert before <= 2 and after >= 8, (before, after)
+
+
+def test_finetune_mix_adds_passing_teacher_traces_to_the_labels(tiny_local, task):
+    program = dspy.Predict(dspy.Signature("noise, cue -> word", "Answer."))
+    program.lm = tiny_local.lm
+    teacher = scripted_lm(lambda req: {"word": task.animals[task.colors.index(req.inputs["cue"])]}, cache=False)
+    ctx = task.ctx(task.examples(8, seed=5), [], stage_name="finetune")
+    with dspy.context(adapter=AutoAdapter()):
+        BootstrapFinetune(labels="mix", teacher=teacher, epochs=1, lora=LORA).run(program, ctx)
+    assert ctx.info["label_pairs"] == 8 and ctx.info["teacher_passed"] == 8 and ctx.info["pairs"] == 16
