@@ -45,6 +45,7 @@ import dspy
 from flowopt.compiler import Stage, StageContext, clone_program
 from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.optimizers.demos import bootstrap_pool, labeled_demos, shuffled_bootstrap
+from flowopt.settings import at_least, between, check_stage, one_of
 
 logger = logging.getLogger(__name__)
 
@@ -117,31 +118,14 @@ class RandomSearch(Stage):
     study_name: str = STUDY_NAME
 
     def __post_init__(self) -> None:
-        for name, minimum in (("n_candidates", 1), ("max_demos", 0), ("pool_size", 0), ("max_labeled_demos", 0),
-                              ("n_proposals", 0)):
-            _check_int(name, getattr(self, name), minimum)
-        _check_int("reduction_factor", self.reduction_factor, 2)
-        for name in ("seeded", "minibatch_size", "parallel"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 0 if name == "seeded" else 1, none_ok=True)
-        if self.sampler not in SAMPLERS:
-            raise ConfigError(f"RandomSearch sampler must be one of {SAMPLERS}, got {self.sampler!r}",
-                              fix='pass sampler="random" or sampler="tpe"')
-        if self.pruner not in PRUNERS:
-            raise ConfigError(f"RandomSearch pruner must be one of {PRUNERS}, got {self.pruner!r}",
-                              fix='pass pruner="halving", "median" or "none"')
-        for t in self.temperatures:
-            if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 2:
-                raise ConfigError(f"RandomSearch temperatures must be numbers in [0, 2], got {t!r}",
-                                  fix="pass temperatures=(0.0, 0.7)")
-        for n in self.ensemble_n:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ConfigError(f"RandomSearch ensemble_n must be ints >= 1, got {n!r}", fix="pass ensemble_n=(3, 5)")
-        if self.instructions is not None and not isinstance(self.instructions, Mapping):
-            raise ConfigError("RandomSearch instructions must map predictor names to lists of strings",
-                              fix='pass instructions={"*": ["Answer briefly."]}')
-        if self.storage is not None and (not isinstance(self.storage, str)
-                                         or not (self.storage in ("sqlite", "journal") or "://" in self.storage)):
+        check_stage(self, {
+            "n_candidates": at_least(1), "max_demos": at_least(0), "pool_size": at_least(0),
+            "max_labeled_demos": at_least(0), "n_proposals": at_least(0), "reduction_factor": at_least(2),
+            "seeded": at_least(0), "minibatch_size": at_least(1), "parallel": at_least(1),
+            "sampler": one_of(*SAMPLERS), "pruner": one_of(*PRUNERS), "temperatures": between(0.0, 2.0),
+            "ensemble_n": at_least(1),
+        })
+        if self.storage is not None and not (self.storage in ("sqlite", "journal") or "://" in self.storage):
             raise ConfigError(f"RandomSearch storage must be None, 'journal' or an optuna RDB URL, "
                               f"got {self.storage!r}",
                               fix='leave storage unset (sqlite in run_dir), or pass "postgresql://user@host/db"')
@@ -311,12 +295,6 @@ class RandomSearch(Stage):
                 study._storage.set_trial_user_attr(t._trial_id, INTERRUPTED, "killed")
                 study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
         return study, shared
-
-
-def _check_int(name: str, value: Any, minimum: int, none_ok: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"RandomSearch {name} must be an int >= {minimum}{' or None' if none_ok else ''}, "
-                          f"got {value!r}", fix=f"pass {name}={max(minimum, 4)}")
 
 
 def _mean(values: list[float]) -> float:
