@@ -105,7 +105,7 @@ def check_settings(owner: str, values: Mapping[str, Any], *, hints: Mapping[str,
         if not (finite and _matches(value, annotation) and all(bound is None or bound.allows(i) for i in items)):
             wanted = _describe(annotation, bound)
             example = bound.example() if bound is not None else _EXAMPLES.get(_base(annotation))
-            if example is not None and len(items) > 1 or isinstance(value, list | tuple) and bound is not None:
+            if example is not None and bound is not None and isinstance(value, list | tuple):
                 example = (example,)
             fix = f"pass {name}={example!r}" if example is not None else f"pass {name} as {wanted}"
             raise ConfigError(f"{owner} {name} must be {wanted}, got {_short(value)} ({type(value).__name__})",
