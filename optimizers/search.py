@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 import dspy
 
 from flowopt.compiler import Stage, StageContext, clone_program
+from flowopt.compiler.integrity import check_sqlite
 from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.optimizers.demos import bootstrap_pool, labeled_demos, shuffled_bootstrap
 from flowopt.settings import at_least, between, check_stage, one_of
@@ -272,6 +273,7 @@ class RandomSearch(Stage):
             lock = JournalFileOpenLock(path, grace_period=3)
             storage = optuna.storages.JournalStorage(JournalFileBackend(path, lock_obj=lock))
         elif storage in (None, "sqlite"):
+            check_sqlite(ctx.run_dir / "search.db")  # a damaged file is refused by name, not as a raw error
             storage = f"sqlite:///{ctx.run_dir / 'search.db'}"
         else:
             # Heartbeats let a shared study notice a worker that died and fail its trial.
