@@ -21,6 +21,7 @@ class FlowoptError(Exception):
     """
 
     def __init__(self, problem: str, *, fix: str | None = None) -> None:
+        problem, fix = _clip(problem), None if fix is None else _clip(fix)
         self.problem = problem
         self.fix = fix
         super().__init__(f"{problem}. Fix: {fix}" if fix else problem)
@@ -81,3 +82,13 @@ class SandboxError(FlowoptError):
 
 class LMError(FlowoptError):
     """A language model could not be loaded or called."""
+
+
+MAX_MESSAGE_CHARS = 2000
+
+
+def _clip(text: str) -> str:
+    """Keep a message readable when it quotes a huge value (a 10 MB name, a long repr)."""
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return f"{text[:MAX_MESSAGE_CHARS]}... ({len(text) - MAX_MESSAGE_CHARS:,} more characters)"

@@ -16,6 +16,7 @@ from flowopt.lm_spec import LoadedLMSpec, lm_to_spec, refuse_loaded_endpoints, t
 from flowopt.operator import Operator
 from flowopt.registry import get_operator
 from flowopt.signature import FieldSpec, SignatureSpec
+from flowopt.validate import check_document, parse_json, read_document
 from flowopt.workflow import INPUT, OUTPUT, Workflow
 
 SCHEMA = "flowopt.workflow/v1"
@@ -25,8 +26,10 @@ _NODE_KEYS = {"id", "op", "signature", "config", "lm", "predictors"}
 
 def dumps(data: Any, *, indent: int | None = 2, sort_keys: bool = False) -> str:
     try:
-        return json.dumps(data, indent=indent, sort_keys=sort_keys, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as err:
+        text = json.dumps(data, indent=indent, sort_keys=sort_keys, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")  # a lone surrogate would fail only when the file is written
+        return text
+    except (TypeError, ValueError) as err:  # UnicodeEncodeError is a ValueError
         raise SchemaError(f"the workflow holds a value JSON cannot store ({err})",
                           fix="keep settings, demos and meta to plain JSON values") from err
 
@@ -39,11 +42,8 @@ def canonical_dumps(data: Mapping[str, Any]) -> str:
     return dumps(canonical, indent=None, sort_keys=True)
 
 
-def loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise SchemaError(f"not valid JSON ({err})", fix="pass a file written by Workflow.save") from err
+def loads(text: str | bytes) -> Any:
+    return parse_json(text)
 
 
 def workflow_to_dict(wf: Workflow) -> dict[str, Any]:
@@ -88,8 +88,7 @@ def _fields(data: Any, key: str) -> tuple[FieldSpec, ...]:
 
 def workflow_from_dict(data: Any) -> Workflow:
     """Build and validate a :class:`Workflow` from IR data; every failure names node, field and fix."""
-    if not isinstance(data, Mapping):
-        raise SchemaError("a workflow document must be a JSON object", fix="pass a file written by Workflow.save")
+    check_document(data)
     schema = data.get("schema")
     if schema != SCHEMA:
         raise SchemaError(f"unsupported schema {schema!r}", field="schema",
@@ -190,7 +189,7 @@ def load(path: str | Path, *, lms: Mapping[str, Any] | None = None, trust_endpoi
     file = Path(path)
     if not file.is_file():
         raise SchemaError(f"no workflow file at {file}", fix="check the path, or save one with Workflow.save")
-    wf = workflow_from_dict(loads(file.read_text(encoding="utf-8")))
+    wf = workflow_from_dict(read_document(file))
     if lms:
         wf.lms.update(lms)
     if trust_endpoints:

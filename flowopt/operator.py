@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import dspy
 
-from flowopt.errors import WorkflowError
+from flowopt.errors import ConfigError, WorkflowError
 from flowopt.signature import SignatureSpec, default_instructions
 
 
@@ -122,7 +122,9 @@ class Operator(dspy.Module):
                     ) -> Operator:
         try:
             return cls(spec, **config)
-        except TypeError as err:
+        except ConfigError as err:  # a setting of the wrong type or out of bounds: say which node
+            raise ConfigError(f"node '{node}': {err.problem}", fix=err.fix) from err
+        except (TypeError, ValueError) as err:  # an unknown setting name, or a check the operator does itself
             raise WorkflowError(f"bad settings for {cls.op_name or cls.__name__}: {err}", node=node,
                                 fix="check the node's 'config' against the operator's parameters") from err
 

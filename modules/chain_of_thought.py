@@ -8,6 +8,7 @@ import dspy
 
 from flowopt.operator import Operator
 from flowopt.registry import register_operator
+from flowopt.settings import TEMPERATURE, check_settings
 from flowopt.signature import SignatureSpec
 
 
@@ -25,6 +26,8 @@ class ChainOfThought(Operator):
 
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
                  *, temperature: float | None = None) -> None:
+        check_settings("ChainOfThought", {"temperature": temperature}, hints=ChainOfThought.__init__,
+                       bounds=TEMPERATURE)
         super().__init__(signature, instructions)
         self.temperature = temperature
         config = {} if temperature is None else {"temperature": temperature}

@@ -7,6 +7,7 @@ import dspy
 from flowopt.errors import ConfigError
 from flowopt.modules.predict import Predict
 from flowopt.registry import register_operator
+from flowopt.settings import TEMPERATURE, check_settings
 from flowopt.signature import SignatureSpec
 
 
@@ -25,6 +26,8 @@ class Custom(Predict):
 
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
                  *, instruction: str | None = None, temperature: float | None = None) -> None:
+        check_settings("Custom", {"instruction": instruction, "temperature": temperature},
+                       hints=Custom.__init__, bounds=TEMPERATURE)
         text = instruction if instruction is not None else instructions
         if text is None:
             text = SignatureSpec.parse(signature).instructions

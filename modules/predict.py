@@ -8,6 +8,7 @@ import dspy
 
 from flowopt.operator import Operator
 from flowopt.registry import register_operator
+from flowopt.settings import TEMPERATURE, check_settings
 from flowopt.signature import SignatureSpec
 
 
@@ -26,6 +27,7 @@ class Predict(Operator):
 
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
                  *, temperature: float | None = None) -> None:
+        check_settings("Predict", {"temperature": temperature}, hints=Predict.__init__, bounds=TEMPERATURE)
         super().__init__(signature, instructions)
         self.temperature = temperature
         self.predict = dspy.Predict(self._spec.to_dspy(), **self._lm_config())

@@ -12,6 +12,7 @@ from flowopt.modules._fields import extend
 from flowopt.modules.sandbox import run_python
 from flowopt.operator import Operator
 from flowopt.registry import register_operator
+from flowopt.settings import above, between, check_settings, one_of
 from flowopt.signature import FieldSpec, SignatureSpec
 
 logger = logging.getLogger(__name__)
@@ -43,15 +44,14 @@ class Programmer(Operator):
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec = "question -> answer",
                  instructions: str | None = None, *, timeout_s: float = 5.0, memory_mb: int = 512,
                  max_attempts: int = 2, on_failure: str = "raise") -> None:
+        check_settings("Programmer", {"timeout_s": timeout_s, "memory_mb": memory_mb, "max_attempts": max_attempts,
+                                      "on_failure": on_failure}, hints=Programmer.__init__,
+                       bounds={"timeout_s": above(0, 120), "memory_mb": between(32, 16384),
+                               "max_attempts": between(1, 5), "on_failure": one_of(*ON_FAILURE)})
         super().__init__(signature, instructions)
         if len(self._spec.outputs) != 1 or self._spec.outputs[0].type not in ("str", "Any"):
             raise ConfigError("Programmer needs exactly one output field of type str",
                               fix='use a signature like "question -> answer"')
-        if not 0 < float(timeout_s) <= 120 or not 32 <= int(memory_mb) <= 16384 or not 1 <= max_attempts <= 5:
-            raise ConfigError("Programmer limits out of range (timeout_s in (0, 120], memory_mb in "
-                              "[32, 16384], max_attempts in [1, 5])", fix="pass values inside those ranges")
-        if on_failure not in ON_FAILURE:
-            raise ConfigError(f"on_failure must be one of {ON_FAILURE}", fix='pass on_failure="raise"')
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
         self.max_attempts, self.on_failure = max_attempts, on_failure
         self.write_code = dspy.ChainOfThought(extend(

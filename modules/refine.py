@@ -6,10 +6,10 @@ from typing import Any
 
 import dspy
 
-from flowopt.errors import ConfigError
 from flowopt.modules._fields import extend, render_outputs
 from flowopt.operator import Operator
 from flowopt.registry import register_operator
+from flowopt.settings import between, check_settings
 from flowopt.signature import FieldSpec, SignatureSpec
 
 
@@ -30,9 +30,8 @@ class Refine(Operator):
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
                  *, max_rounds: int = 1) -> None:
         super().__init__(signature, instructions)
-        if not isinstance(max_rounds, int) or not 1 <= max_rounds <= 10:
-            raise ConfigError(f"Refine max_rounds must be an int in 1..10, got {max_rounds!r}",
-                              fix="pass max_rounds=1 (one review) up to 10")
+        check_settings("Refine", {"max_rounds": max_rounds}, hints=Refine.__init__,
+                       bounds={"max_rounds": between(1, 10)})
         self.max_rounds = max_rounds
         attempt = (FieldSpec("attempt", "str"),)
         self.generate = dspy.ChainOfThought(self._spec.to_dspy())

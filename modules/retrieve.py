@@ -10,6 +10,7 @@ import dspy
 from flowopt.errors import ConfigError
 from flowopt.operator import Operator
 from flowopt.registry import register_operator
+from flowopt.settings import between, check_settings
 from flowopt.signature import SignatureSpec
 
 
@@ -37,8 +38,8 @@ class Retrieve(Operator):
             signature = ("question -> passages: list[str]" if corpus is not None
                          else "question, context: list[str] -> passages: list[str]")
         super().__init__(signature, instructions)
-        if not isinstance(k, int) or k < 1:
-            raise ConfigError(f"Retrieve k must be an int >= 1, got {k!r}", fix="pass k=3")
+        check_settings("Retrieve", {"k": k, "corpus": corpus}, hints=Retrieve.__init__,
+                       bounds={"k": between(1, 1000)})
         spec = self._spec
         want_inputs = 1 if corpus is not None else 2
         if (len(spec.inputs) != want_inputs or len(spec.outputs) != 1 or spec.outputs[0].type != "list[str]"
@@ -48,8 +49,7 @@ class Retrieve(Operator):
                 f"{'a corpus' if corpus is not None else 'per-example context'}",
                 fix="use 'query -> passages: list[str]' with corpus=..., else "
                     "'query, context: list[str] -> passages: list[str]'")
-        if corpus is not None and (not isinstance(corpus, list) or not corpus
-                                   or not all(isinstance(p, str) for p in corpus)):
+        if corpus is not None and not corpus:
             raise ConfigError("Retrieve corpus must be a non-empty list of strings", fix="pass corpus=[...]")
         self.k, self.corpus = k, corpus
         self._index: Any = None

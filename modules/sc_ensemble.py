@@ -13,11 +13,13 @@ from flowopt.errors import ConfigError
 from flowopt.modules._fields import extend, render_outputs
 from flowopt.operator import Operator
 from flowopt.registry import register_operator
+from flowopt.settings import TEMPERATURE, between, check_settings, one_of
 from flowopt.signature import FieldSpec, SignatureSpec
 
 logger = logging.getLogger(__name__)
 
 SELECT_MODES = ("majority", "lm")
+MAX_SAMPLES = 64  # each sample is an LM call run in its own thread
 
 
 @register_operator
@@ -40,12 +42,10 @@ class ScEnsemble(Operator):
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
                  *, n: int = 5, select: str = "majority", temperature: float = 0.7,
                  vote_field: str | None = None) -> None:
+        check_settings("ScEnsemble", {"n": n, "select": select, "temperature": temperature, "vote_field": vote_field},
+                       hints=ScEnsemble.__init__,
+                       bounds={"n": between(1, MAX_SAMPLES), "select": one_of(*SELECT_MODES), **TEMPERATURE})
         super().__init__(signature, instructions)
-        if not isinstance(n, int) or n < 1:
-            raise ConfigError(f"ScEnsemble n must be an int >= 1, got {n!r}", fix="pass n=3 or n=5")
-        if select not in SELECT_MODES:
-            raise ConfigError(f"ScEnsemble select must be one of {SELECT_MODES}, got {select!r}",
-                              fix='pass select="majority" or select="lm"')
         self.n, self.select, self.temperature = n, select, float(temperature)
         self.vote_field = vote_field or self._spec.output_names[0]
         if self._spec.output(self.vote_field) is None:

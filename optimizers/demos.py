@@ -24,12 +24,8 @@ from dspy.utils.exceptions import AdapterParseError
 
 from flowopt.compiler import BudgetStop, Stage, StageContext, clone_program
 from flowopt.compiler.evaluate import program_key, score_prediction
-from flowopt.errors import BudgetExhausted, ConfigError, FlowoptError, LMError, WorkflowError
-
-
-def _check_count(owner: str, name: str, value: Any, minimum: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{owner} {name} must be an int >= {minimum}, got {value!r}", fix=f"pass {name}=4")
+from flowopt.errors import BudgetExhausted, FlowoptError, LMError, WorkflowError
+from flowopt.settings import at_least, check_stage
 
 
 def _as_demo(data: dict[str, Any]) -> dspy.Example:
@@ -66,7 +62,7 @@ class LabeledFewShot(Stage):
     k: int = 16
 
     def __post_init__(self) -> None:
-        _check_count("LabeledFewShot", "k", self.k, 1)
+        check_stage(self, {"k": at_least(1)})
 
     def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
         demos = labeled_demos(ctx.trainset, self.k, ctx.seed, [n for n, _ in program.named_predictors()])
@@ -301,11 +297,7 @@ class BootstrapFewShot(Stage):
     metric_threshold: float | None = None
 
     def __post_init__(self) -> None:
-        _check_count("BootstrapFewShot", "max_bootstrapped_demos", self.max_bootstrapped_demos)
-        _check_count("BootstrapFewShot", "max_labeled_demos", self.max_labeled_demos)
-        if self.metric_threshold is not None and not isinstance(self.metric_threshold, int | float):
-            raise ConfigError(f"metric_threshold must be a number or None, got {self.metric_threshold!r}",
-                              fix="pass metric_threshold=1.0")
+        check_stage(self, {"max_bootstrapped_demos": at_least(0), "max_labeled_demos": at_least(0)})
 
     def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
         pool = bootstrap_pool(program, ctx, successes=self.max_bootstrapped_demos,

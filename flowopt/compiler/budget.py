@@ -14,6 +14,7 @@ Cache hits are the calls that returned minus the real ones: they are free and co
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -45,7 +46,7 @@ class Budget:
             value = getattr(self, name)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise ConfigError(f"Budget {name} must be a number >= 0 or None, got {value!r}",
                                   fix=f"pass {name}=100 (or leave it out for no limit)")
             if name in ("max_lm_calls", "max_tokens") and int(value) != value:

@@ -24,6 +24,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from flowopt.compiler.integrity import read_sealed, seal
 from flowopt.errors import ConfigError, FlowoptError
 from flowopt.io import atomic_write_json
 
@@ -140,14 +141,10 @@ class RunFolder:
         self.manifest_path = self.path / "compile.json"
         self.manifest: dict[str, Any] = {}
         if self.manifest_path.exists():
-            try:
-                existing = json.loads(self.manifest_path.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as err:
-                raise ConfigError(f"run_dir {self.path} has an unreadable compile.json ({err})",
-                                  fix="use a new run_dir") from err
             if not resume:
                 raise ConfigError(f"run_dir {self.path} already holds a compile run",
                                   fix="pass resume=True to continue it, or use a new (or emptied) run_dir")
+            existing = read_sealed(self.manifest_path)
             if existing.get("fingerprint") != fingerprint:
                 diff = sorted(k for k in fingerprint if existing.get("fingerprint", {}).get(k) != fingerprint[k])
                 raise ConfigError(
@@ -163,7 +160,7 @@ class RunFolder:
         return path
 
     def write_manifest(self) -> None:
-        atomic_write_json(self.manifest_path, self.manifest)
+        atomic_write_json(self.manifest_path, seal(self.manifest))
 
     def baseline(self) -> dict[str, Any] | None:
         return self.manifest.get("baseline") if self.resume else None
@@ -178,11 +175,11 @@ class RunFolder:
         path = self.path / "stages" / f"{index:02d}-{name}" / "output.json"
         if not path.exists():
             return None
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_sealed(path)
 
     def save_finished(self, index: int, name: str, program: Any | None, row: dict[str, Any]) -> None:
         data = {"row": row, "program": None if program is None else program_to_data(program)}
-        atomic_write_json(self.stage_dir(index, name) / "output.json", data)
+        atomic_write_json(self.stage_dir(index, name) / "output.json", seal(data))
 
     def save_report(self, report: dict[str, Any]) -> None:
         atomic_write_json(self.path / "report.json", report)

@@ -13,11 +13,12 @@ from typing import Any
 
 import dspy
 
-from flowopt.compiler.budget import Budget, BudgetStop, BudgetTracker
+from flowopt.compiler.budget import LIMITS, Budget, BudgetStop, BudgetTracker
 from flowopt.compiler.checkpoint import RunFolder, clone_program, program_from_data
 from flowopt.compiler.context import StageContext
 from flowopt.compiler.data import check_examples, split_trainset
 from flowopt.compiler.evaluate import EvalResult, Evaluator, example_key, program_key
+from flowopt.compiler.integrity import check_run_dir
 from flowopt.compiler.report import CompileReport, StageReport
 from flowopt.compiler.stage import Stage
 from flowopt.compiler.stages import StageSpec, resolve_stages
@@ -72,12 +73,21 @@ def compile(
     if not callable(metric):
         raise ConfigError("metric is not callable", fix="pass metric(example, prediction, trace=None) -> float")
     if isinstance(budget, Mapping):
+        unknown = sorted(str(k) for k in budget if k not in LIMITS)
+        if unknown:
+            raise ConfigError(f"budget has unknown limits {unknown}", fix=f"use only {list(LIMITS)}")
         budget = Budget(**budget)
     budget = budget or Budget()
     if not isinstance(budget, Budget):
         raise ConfigError(f"budget is a {type(budget).__name__}", fix="pass flowopt.Budget(max_lm_calls=...)")
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ConfigError(f"num_threads must be an int >= 1, got {num_threads!r}", fix="pass num_threads=8")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an int, got {seed!r}", fix="pass seed=0")
+    if run_dir is not None:
+        run_dir = check_run_dir(run_dir)
+    if not isinstance(resume, bool):
+        raise ConfigError(f"resume must be True or False, got {resume!r}", fix="pass resume=True to continue a run")
 
     train = check_examples(program, trainset, "trainset")
     if not train:

@@ -50,6 +50,7 @@ from flowopt.optimizers.search.pruning import PRUNE_RULES, first_rung, rungs, to
 from flowopt.optimizers.search.shared import run_shared
 from flowopt.optimizers.search.shared_storage import exclusive_run_dir, is_shared
 from flowopt.optimizers.search.space import SearchSpace
+from flowopt.settings import above, at_least, between, check_stage, one_of
 from flowopt.optimizers.search.study import (
     INTERRUPTED,
     STUDY_NAME,
@@ -153,40 +154,19 @@ class RandomSearch(Stage):
     wait_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
-        for name, minimum in (("n_candidates", 1), ("max_demos", 0), ("pool_size", 0), ("max_labeled_demos", 0),
-                              ("n_proposals", 0), ("max_extra", 0), ("finalists", 0)):
-            _check_int(name, getattr(self, name), minimum)
-        _check_int("reduction_factor", self.reduction_factor, 2)
-        _check_int("heartbeat_s", self.heartbeat_s, 1)
-        _check_int("stale_after_s", self.stale_after_s, 2 * self.heartbeat_s)
-        if isinstance(self.wait_timeout_s, bool) or not isinstance(self.wait_timeout_s, int | float) \
-                or self.wait_timeout_s <= 0:
-            raise ConfigError(f"RandomSearch wait_timeout_s must be seconds > 0, got {self.wait_timeout_s!r}",
-                              fix="pass wait_timeout_s=900")
-        for name in ("seeded", "extra", "minibatch_size", "parallel", "study_max_lm_calls"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 0 if name in ("seeded", "extra") else 1, none_ok=True)
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not 0 < self.alpha < 0.5:
-            raise ConfigError(f"RandomSearch alpha must be a number in (0, 0.5), got {self.alpha!r}",
-                              fix="pass alpha=0.05")
-        if self.sampler not in SAMPLERS:
-            raise ConfigError(f"RandomSearch sampler must be one of {SAMPLERS}, got {self.sampler!r}",
-                              fix='pass sampler="random" or sampler="tpe"')
-        if self.pruner not in PRUNERS:
-            raise ConfigError(f"RandomSearch pruner must be one of {PRUNERS}, got {self.pruner!r}",
-                              fix='pass pruner="confidence", "halving", "median" or "none"')
-        for t in self.temperatures:
-            if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 2:
-                raise ConfigError(f"RandomSearch temperatures must be numbers in [0, 2], got {t!r}",
-                                  fix="pass temperatures=(0.0, 0.7)")
-        for n in self.ensemble_n:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ConfigError(f"RandomSearch ensemble_n must be ints >= 1, got {n!r}", fix="pass ensemble_n=(3, 5)")
-        if self.instructions is not None and not isinstance(self.instructions, Mapping):
-            raise ConfigError("RandomSearch instructions must map predictor names to lists of strings",
-                              fix='pass instructions={"*": ["Answer briefly."]}')
-        if self.storage is not None and (not isinstance(self.storage, str)
-                                         or not (self.storage in ("sqlite", "journal") or "://" in self.storage)):
+        check_stage(self, {
+            "n_candidates": at_least(1), "max_demos": at_least(0), "pool_size": at_least(0),
+            "max_labeled_demos": at_least(0), "n_proposals": at_least(0), "max_extra": at_least(0),
+            "finalists": at_least(0), "reduction_factor": at_least(2), "heartbeat_s": at_least(1),
+            "wait_timeout_s": above(0.0), "seeded": at_least(0), "extra": at_least(0),
+            "minibatch_size": at_least(1), "parallel": at_least(1), "study_max_lm_calls": at_least(1),
+            "alpha": above(0.0, 0.5), "sampler": one_of(*SAMPLERS), "pruner": one_of(*PRUNERS),
+            "temperatures": between(0.0, 2.0), "ensemble_n": at_least(1),
+        })
+        if self.stale_after_s < 2 * self.heartbeat_s:  # a live worker must get two heartbeats in
+            raise ConfigError(f"RandomSearch stale_after_s must be >= 2 * heartbeat_s ({2 * self.heartbeat_s}), "
+                              f"got {self.stale_after_s!r}", fix=f"pass stale_after_s={max(60, 2 * self.heartbeat_s)}")
+        if self.storage is not None and not (self.storage in ("sqlite", "journal") or "://" in self.storage):
             raise ConfigError(f"RandomSearch storage must be None, 'journal' or an optuna RDB URL, "
                               f"got {self.storage!r}",
                               fix='leave storage unset (sqlite in run_dir), or pass "postgresql://user@host/db"')
@@ -398,12 +378,6 @@ def _is_shown(example: Any, demos: list[Any]) -> bool:
     """Is ``example`` (its input fields) one of the ``demos``?"""
     inputs = example.inputs().toDict()
     return any(all(demo.get(k) == v for k, v in inputs.items()) for demo in demos)
-
-
-def _check_int(name: str, value: Any, minimum: int, none_ok: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"RandomSearch {name} must be an int >= {minimum}{' or None' if none_ok else ''}, "
-                          f"got {value!r}", fix=f"pass {name}={max(minimum, 4)}")
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flowopt.errors import ConfigError
+from flowopt.compiler.integrity import check_sqlite
 
 STUDY_NAME = "flowopt-search"
 INTERRUPTED = "interrupted"
@@ -46,6 +47,7 @@ def open_study(storage: str | None, study_name: str, pruner: Any, run_dir: Path 
         lock = JournalFileOpenLock(path, grace_period=3)
         store = optuna.storages.JournalStorage(JournalFileBackend(path, lock_obj=lock))
     elif storage in (None, "sqlite"):
+        check_sqlite(Path(run_dir or ".") / "search.db")  # a damaged file is refused by name, not as a raw error
         store = f"sqlite:///{Path(run_dir or '.') / 'search.db'}"
     else:
         # Heartbeats let a shared study notice a worker that died and fail its trial.

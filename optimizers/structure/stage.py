@@ -10,6 +10,7 @@ from flowopt.compiler.stage import Stage
 from flowopt.errors import BudgetExhausted, ConfigError, LMError
 from flowopt.optimizers.structure.proposers import LMProposer, Proposer, RuleProposer, Vocabulary
 from flowopt.optimizers.structure.search import MCTS, Evaluation, SearchSettings
+from flowopt.settings import at_least, between, check_stage, one_of
 from flowopt.workflow import Workflow
 
 logger = logging.getLogger(__name__)
@@ -55,16 +56,13 @@ class StructureSearch(Stage):
     draw: bool = True
 
     def __post_init__(self) -> None:
-        if self.proposer not in ("rule", "lm"):
-            raise ConfigError(f"proposer must be 'rule' or 'lm', got {self.proposer!r}",
-                              fix='pass proposer="rule" (no optimizer LM) or proposer="lm"')
-        if self.split not in SPLITS:
-            raise ConfigError(f"split must be one of {SPLITS}, got {self.split!r}", fix='pass split="trainset"')
-        if self.max_examples is not None and (not isinstance(self.max_examples, int) or self.max_examples < 1):
-            raise ConfigError(f"max_examples must be an int >= 1 or None, got {self.max_examples!r}",
-                              fix="pass max_examples=50, or None for the whole split")
-        if not isinstance(self.max_nodes, int) or self.max_nodes < 1:
-            raise ConfigError(f"max_nodes must be an int >= 1, got {self.max_nodes!r}", fix="pass max_nodes=8")
+        check_stage(self, {
+            "max_rounds": at_least(1), "max_evaluations": at_least(1), "selection": one_of("mixed", "uct"),
+            "top_k": at_least(1), "alpha": between(0.0, 1.0), "lambda_": between(0.0, 1.0), "uct_c": at_least(0.0),
+            "convergence_rounds": at_least(1), "repeats": at_least(1), "proposer": one_of("rule", "lm"),
+            "max_attempts": at_least(1), "max_nodes": at_least(1), "ensemble_sizes": between(1, 64),
+            "refine_rounds": between(1, 10), "split": one_of(*SPLITS), "max_examples": at_least(1),
+        })
         self.search_settings()  # checks the search settings now, not at run time
         self.vocabulary()
 

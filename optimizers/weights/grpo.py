@@ -27,17 +27,13 @@ from flowopt.optimizers.weights.advantages import SCALINGS, group_advantages
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter, torch_generator
 from flowopt.optimizers.weights.learner import GRPOLearner, ScoredTransition
 from flowopt.optimizers.weights.loss import AGGREGATIONS
-from flowopt.optimizers.weights.optim import check_schedule
+from flowopt.optimizers.weights.optim import SCHEDULES
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
 from flowopt.optimizers.weights.rewards import NodeReward, score_rollout
 from flowopt.optimizers.weights.rollout import Rollout, run_rollouts
+from flowopt.settings import above, at_least, check_stage, one_of
 
 logger = logging.getLogger(__name__)
-
-
-def _positive(name: str, value: float, fix: str) -> None:
-    if value <= 0:
-        raise ConfigError(f"{name} must be > 0, got {value}", fix=fix)
 
 
 @dataclass(frozen=True)
@@ -89,35 +85,15 @@ class GRPO(Stage):
     plot: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "group_size", "max_new_tokens", "passes", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", fix=f"pass {name}=1 or more")
-        if self.group_size < 2:
-            raise ConfigError(f"group_size must be >= 2 to compare rollouts, got {self.group_size}",
-                              fix="pass group_size=4 or more")
-        _positive("temperature", self.temperature, "pass temperature=1.0 (rollouts must sample)")
-        _positive("learning_rate", self.learning_rate, "pass learning_rate=5e-5")
-        _positive("epsilon", self.epsilon, "pass epsilon=0.2")
-        if self.epsilon_high is not None:
-            _positive("epsilon_high", self.epsilon_high, "pass epsilon_high=0.28 (DAPO) or None")
-        if self.beta < 0:
-            raise ConfigError(f"beta must be >= 0, got {self.beta}", fix="pass beta=0.0 (no KL) or e.g. 0.04")
-        if self.scaling not in SCALINGS:
-            raise ConfigError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}", fix="pass scaling='group'")
-        if self.aggregation not in AGGREGATIONS:
-            raise ConfigError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}",
-                              fix="pass aggregation='dapo'")
-        if self.max_grad_norm is not None:
-            _positive("max_grad_norm", self.max_grad_norm, "pass max_grad_norm=1.0 or None")
-        if self.format_penalty < 0:
-            raise ConfigError(f"format_penalty must be >= 0, got {self.format_penalty}", fix="pass format_penalty=1.0")
-        if self.checkpoint_every < 0:
-            raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}",
-                              fix="pass checkpoint_every=5 (0: only at the end)")
-        check_schedule(self.lr_schedule, self.warmup_steps)
-        if self.node_rewards is not None and not all(callable(f) for f in self.node_rewards.values()):
-            raise ConfigError("node_rewards must map node ids to functions (example, inputs, outputs) -> float",
-                              fix="pass node_rewards={'solve': lambda ex, inputs, outputs: 0.1}")
+        check_stage(self, {
+            "steps": at_least(1), "batch_size": at_least(1), "group_size": at_least(2),  # 2 rollouts to compare
+            "temperature": above(0.0, 2.0), "max_new_tokens": at_least(1), "learning_rate": above(0.0, 1.0),
+            "lr_schedule": one_of(*SCHEDULES), "warmup_steps": at_least(0), "weight_decay": at_least(0.0),
+            "epsilon": above(0.0, 1.0), "epsilon_high": above(0.0, 1.0), "beta": at_least(0.0),
+            "scaling": one_of(*SCALINGS), "aggregation": one_of(*AGGREGATIONS), "passes": at_least(1),
+            "micro_batch_size": at_least(1), "max_grad_norm": above(0.0), "format_penalty": at_least(0.0),
+            "checkpoint_every": at_least(0),
+        })
 
     # ------------------------------------------------------------------ the stage
     def run(self, program: dspy.Module, ctx: Any) -> dspy.Module:

@@ -29,14 +29,6 @@ def lr_factor(step: int, *, total: int, warmup: int, schedule: Schedule) -> floa
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def check_schedule(schedule: str, warmup: int) -> None:
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"lr_schedule must be one of {SCHEDULES}, got {schedule!r}",
-                          fix="pass lr_schedule='constant'")
-    if warmup < 0:
-        raise ConfigError(f"warmup_steps must be >= 0, got {warmup}", fix="pass warmup_steps=0")
-
-
 def make_optimizer(params: Sequence[Any], *, lr: float, weight_decay: float, total_steps: int, warmup: int,
                    schedule: Schedule) -> tuple[Any, Any]:
     """``(optimizer, scheduler)``; call ``scheduler.step()`` after each ``optimizer.step()``."""

@@ -24,9 +24,10 @@ from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.lm.packing import pack
 from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter
-from flowopt.optimizers.weights.optim import check_schedule, make_optimizer
+from flowopt.optimizers.weights.optim import SCHEDULES, make_optimizer
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
 from flowopt.optimizers.weights.traces import TraceStats, label_pairs, teacher_pairs
+from flowopt.settings import above, at_least, check_stage, one_of
 
 logger = logging.getLogger(__name__)
 
@@ -116,17 +117,12 @@ class BootstrapFinetune(Stage):
     labels: str | None = None
 
     def __post_init__(self) -> None:
-        if self.labels not in (None, "only", "mix"):
-            raise ConfigError(f"labels must be None, 'only' or 'mix', got {self.labels!r}",
-                              fix="pass labels='only' to learn from the gold labels alone, 'mix' to add them")
-        for name in ("epochs", "batch_size", "micro_batch_size", "max_length"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", fix=f"pass {name}=1 or more")
-        if self.learning_rate <= 0:
-            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}", fix="pass learning_rate=2e-4")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm}", fix="pass 1.0 or None")
-        check_schedule(self.lr_schedule, self.warmup_steps)
+        check_stage(self, {
+            "epochs": at_least(1), "learning_rate": above(0.0, 1.0), "batch_size": at_least(1),
+            "micro_batch_size": at_least(1), "lr_schedule": one_of(*SCHEDULES), "warmup_steps": at_least(0),
+            "weight_decay": at_least(0.0), "max_grad_norm": above(0.0), "max_length": at_least(1),
+            "labels": one_of("only", "mix"),
+        })
         if self.teacher is not None and not isinstance(self.teacher, dspy.BaseLM | dspy.Module):
             raise ConfigError(f"teacher must be a dspy.LM or a dspy.Module, got {type(self.teacher).__name__}",
                               fix="pass teacher=dspy.LM('openai/gpt-4o-mini') or leave it None")

@@ -2,13 +2,13 @@
 
 Usage: python kill_worker.py RUN_DIR CALL_LOG OUT_JSON [--resume]
 
-Two logs, one line (the DSPy cache key) per real call:
+Two logs, one line per real call:
 
-* ``CALL_LOG`` gets the call once DSPy has *stored* its result (after ``dspy.cache.put``): a call is
-  "completed" when a rerun can get it back. Logging it in the engine instead was racy: a SIGKILL
-  between the engine's answer and DSPy's cache write left a call logged as done that the resumed
-  run had to pay again.
-* ``CALL_LOG.sent`` gets it when the engine answers: calls in flight at the kill show up there only.
+* ``CALL_LOG`` gets the call's DSPy cache key once DSPy has stored its result (after ``dspy.cache.put``),
+  for runs that end normally. A killed run's log may miss the last calls (a SIGKILL can land between
+  the cache write and the log write), so the test reads a killed run's completed calls from the
+  cache itself.
+* ``CALL_LOG.sent`` gets a line when the engine answers: calls in flight at the kill show up there only.
 """
 
 from __future__ import annotations

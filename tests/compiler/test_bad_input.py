@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import dspy
 import pytest
@@ -100,3 +101,162 @@ def test_run_dir_reuse_needs_resume_and_same_settings(tmp_path):
             flowopt.compile(dspy.Predict("question -> answer"), examples(6), exact, stages=["labeled"],
                             run_dir=tmp_path, resume=True, seed=1)
     _run_dir_is_sound(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compile() arguments: each refused with a named error before any LM call, and nothing written anywhere.
+
+def _tree(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else b"<dir>") for p in sorted(root.rglob("*"))}
+
+
+def _file(tmp_path):
+    (tmp_path / "a-file").write_text("keep me")
+    return tmp_path / "a-file"
+
+
+COMPILE_CASES = {
+    "budget with an unknown limit": (lambda tmp: {"budget": {"max_calls": 10}}, "unknown limits"),
+    "budget limit as a string": (lambda tmp: {"budget": {"max_lm_calls": "10"}}, "max_lm_calls"),
+    "budget limit NaN": (lambda tmp: {"budget": {"max_lm_calls": float("nan")}}, "max_lm_calls"),
+    "budget wall time infinite": (lambda tmp: {"budget": {"max_wall_s": float("inf")}}, "max_wall_s"),
+    "budget a list": (lambda tmp: {"budget": [10]}, "budget is a list"),
+    "run_dir empty": (lambda tmp: {"run_dir": ""}, "current folder"),
+    "run_dir blank": (lambda tmp: {"run_dir": "   "}, "current folder"),
+    "run_dir a number": (lambda tmp: {"run_dir": 5}, "folder path"),
+    "run_dir a file": (lambda tmp: {"run_dir": _file(tmp)}, "is a file"),
+    "run_dir below a file": (lambda tmp: {"run_dir": _file(tmp) / "run"}, "which is a file"),
+    "run_dir under /proc": (lambda tmp: {"run_dir": "/proc/self/flowopt-run"}, "/proc"),
+    "run_dir under /sys": (lambda tmp: {"run_dir": "/sys/flowopt-run"}, "/sys"),
+    "run_dir with NUL": (lambda tmp: {"run_dir": str(tmp / "a\x00b")}, "NUL"),
+    "resume not a bool": (lambda tmp: {"resume": "yes", "run_dir": tmp / "r"}, "resume"),
+    "seed a string": (lambda tmp: {"seed": "0"}, "seed"),
+    "num_threads 0": (lambda tmp: {"num_threads": 0}, "num_threads"),
+    "demos setting as a string": (lambda tmp: {"stages": [("demos", {"max_bootstrapped_demos": "4"})]},
+                                  "max_bootstrapped_demos"),
+    "search n_candidates 2.5": (lambda tmp: {"stages": [("search", {"n_candidates": 2.5})]}, "n_candidates"),
+    "search temperatures above 2": (lambda tmp: {"stages": [("search", {"temperatures": [0.5, 9]})]},
+                                    "temperatures"),
+    "structure alpha NaN": (lambda tmp: {"stages": [("structure", {"alpha": float("nan")})]}, "alpha"),
+    "finetune epochs '3'": (lambda tmp: {"stages": [("finetune", {"epochs": "3"})]}, "epochs"),
+    "grpo steps 2.5": (lambda tmp: {"stages": [("grpo", {"steps": 2.5})]}, "steps"),
+    "grpo temperature NaN": (lambda tmp: {"stages": [("grpo", {"temperature": float("nan")})]}, "temperature"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPILE_CASES))
+def test_bad_compile_arguments_are_refused_before_any_lm_call(case, tmp_path, monkeypatch):
+    make, match = COMPILE_CASES[case]
+    kwargs = make(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = _tree(tmp_path)
+    lm = demo_task_lm()
+    with dspy.context(lm=lm), pytest.raises(flowopt.FlowoptError, match=match) as info:
+        flowopt.compile(dspy.Predict("question -> answer"), examples(6), exact, quiet=True, **kwargs)
+    assert isinstance(info.value, ConfigError) and "Fix:" in str(info.value)
+    assert lm.engine.calls == 0
+    assert _tree(tmp_path) == before  # nothing created, nothing changed (the cwd included)
+
+
+def test_read_only_run_dir_is_refused(tmp_path, monkeypatch):
+    import os
+
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    real_statvfs = os.statvfs
+
+    class _ReadOnly:
+        def __init__(self, path):
+            self._stat = real_statvfs(path)
+            self.f_flag = self._stat.f_flag | os.ST_RDONLY
+
+    # A read-only mount (root writes through file modes, so chmod alone proves nothing under root).
+    monkeypatch.setattr(os, "statvfs", lambda p: _ReadOnly(p) if str(p).startswith(str(parent)) else real_statvfs(p))
+    with pytest.raises(ConfigError, match="read-only"):
+        flowopt.compile(dspy.Predict("question -> answer"), examples(6), exact, quiet=True, run_dir=parent / "run")
+    assert list(parent.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_folder_without_write_permission_is_refused(tmp_path):
+    parent = tmp_path / "ro"
+    parent.mkdir(mode=0o555)
+    with pytest.raises(ConfigError, match="read-only"):
+        flowopt.compile(dspy.Predict("question -> answer"), examples(6), exact, quiet=True, run_dir=parent / "run")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints: each carries a SHA-256 digest; a damaged or edited one is refused on resume, by name.
+
+def _finished_run(tmp_path, stages=("labeled", "demos")):
+    run = tmp_path / "run"
+    with dspy.context(lm=demo_task_lm()):
+        flowopt.compile(dspy.Predict("question -> answer"), examples(8), exact, stages=list(stages), quiet=True,
+                        run_dir=run)
+    return run
+
+
+def _edit_demo_answer(path):
+    data = json.loads(path.read_text())
+    demos = data["program"]["state"]["demos"]
+    assert demos, "the labeled stage put demos on the program"
+    demos[0]["answer"] = "#tampered"
+    path.write_text(json.dumps(data))
+
+
+def _edit_baseline_score(path):
+    data = json.loads(path.read_text())
+    data["baseline"]["score"] = 0.99  # would make every later stage look worse than the baseline
+    path.write_text(json.dumps(data))
+
+
+CHECKPOINT_CASES = {
+    "edited demo answer": ("stages/00-labeled/output.json", _edit_demo_answer),
+    "binary output.json": ("stages/00-labeled/output.json", lambda p: p.write_bytes(bytes(range(256)))),
+    "truncated output.json": ("stages/00-labeled/output.json", lambda p: p.write_bytes(p.read_bytes()[:100])),
+    "empty object": ("stages/00-labeled/output.json", lambda p: p.write_text("{}")),
+    "a JSON list": ("stages/00-labeled/output.json", lambda p: p.write_text("[]")),
+    "digest removed": ("stages/00-labeled/output.json",
+                       lambda p: p.write_text(json.dumps({k: v for k, v in json.loads(p.read_text()).items()
+                                                          if k != "sha256"}))),
+    "edited baseline score": ("compile.json", lambda p: _edit_baseline_score(p)),
+    "binary compile.json": ("compile.json", lambda p: p.write_bytes(b"\x80\x04\x95" + bytes(64))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHECKPOINT_CASES))
+def test_damaged_checkpoints_are_refused_on_resume(case, tmp_path):
+    run = _finished_run(tmp_path)
+    target, damage = CHECKPOINT_CASES[case]
+    damage(run / target)
+    before = _tree(run)
+    lm = demo_task_lm()
+    with dspy.context(lm=lm), pytest.raises(ConfigError, match="refused") as info:
+        flowopt.compile(dspy.Predict("question -> answer"), examples(8), exact, stages=["labeled", "demos"],
+                        quiet=True, run_dir=run, resume=True)
+    assert target in str(info.value) and "Fix: delete" in str(info.value)
+    assert lm.engine.calls == 0
+    assert _tree(run) == before
+
+
+def test_deleting_the_refused_checkpoint_recomputes_that_stage(tmp_path):
+    run = _finished_run(tmp_path)
+    _edit_demo_answer(run / "stages/00-labeled/output.json")
+    (run / "stages/00-labeled/output.json").unlink()  # what the refusal's fix says
+    with dspy.context(lm=demo_task_lm()):
+        out = flowopt.compile(dspy.Predict("question -> answer"), examples(8), exact, stages=["labeled", "demos"],
+                              quiet=True, run_dir=run, resume=True)
+    assert not out.report.stage("labeled").resumed and out.report.stage("demos").resumed
+    assert all(d["answer"] != "#tampered" for d in out.predictors()[0].demos)
+
+
+def test_a_damaged_search_db_is_refused(tmp_path):
+    run = _finished_run(tmp_path, stages=("search",))
+    (run / "stages/00-search/output.json").unlink()  # as if killed before the search finished
+    db = run / "stages/00-search/search.db"
+    db.write_bytes(db.read_bytes()[:4096] + bytes(4096))
+    damaged = db.read_bytes()
+    with dspy.context(lm=demo_task_lm()), pytest.raises(ConfigError, match=r"search\.db is refused"):
+        flowopt.compile(dspy.Predict("question -> answer"), examples(8), exact, stages=["search"], quiet=True,
+                        run_dir=run, resume=True)
+    assert db.read_bytes() == damaged

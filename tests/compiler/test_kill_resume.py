@@ -1,7 +1,10 @@
 """Kill a compile with SIGKILL in the middle of the search, resume it, compare with an uninterrupted run.
 
-A call counts as completed when DSPy has stored its result (see kill_worker.py): those are never paid
-again. Calls in flight at the kill (at most ``num_threads``) are lost and paid again by the resumed run.
+A call counts as completed when DSPy's disk cache holds its result: those are never paid again. Calls in
+flight at the kill (at most ``num_threads``) are lost and paid again by the resumed run. The killed run's
+completed calls are read from the cache itself, not from a log: no log line can be written in the same
+instant as the cache entry, so a SIGKILL between the two made a log disagree with the cache (the
+"Right contains one more item" failure under load: a call cached but never logged).
 """
 
 from __future__ import annotations
@@ -34,6 +37,17 @@ def _calls(log: Path) -> list[str]:
     return text[: text.rfind("\n") + 1].split()
 
 
+def _cached_calls(cache: Path) -> list[str]:
+    """The keys of every LM call whose result DSPy stored on disk in ``cache`` (what a rerun gets back)."""
+    from dspy.clients.cache import Cache
+
+    store = Cache(enable_disk_cache=True, enable_memory_cache=False, disk_cache_dir=str(cache)).disk_cache
+    try:
+        return [str(key) for key in store]
+    finally:
+        store.close()
+
+
 def _finish(proc: subprocess.Popen) -> None:
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out.decode()
@@ -58,7 +72,7 @@ def test_kill_in_search_then_resume_equals_uninterrupted_and_pays_nothing_twice(
     assert proc.poll() is None, "the run finished before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
-    killed = _calls(killed_log)
+    killed = _cached_calls(cache)
     in_flight = len(_calls(Path(f"{killed_log}.sent"))) - len(killed)
     assert before_search <= len(killed) < len(ref_calls)
     assert 0 <= in_flight <= THREADS
