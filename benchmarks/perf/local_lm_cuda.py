@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = run.args
     import torch
 
-    from flowopt.lm.sampling import RowSettings
     from flowopt.lm.local import LocalLM
+    from flowopt.lm.sampling import RowSettings
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     report: dict[str, Any] = {}

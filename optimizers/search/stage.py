@@ -50,7 +50,6 @@ from flowopt.optimizers.search.pruning import PRUNE_RULES, first_rung, rungs, to
 from flowopt.optimizers.search.shared import run_shared
 from flowopt.optimizers.search.shared_storage import exclusive_run_dir, is_shared
 from flowopt.optimizers.search.space import SearchSpace
-from flowopt.settings import above, at_least, between, check_stage, one_of
 from flowopt.optimizers.search.study import (
     INTERRUPTED,
     STUDY_NAME,
@@ -61,6 +60,7 @@ from flowopt.optimizers.search.study import (
     open_study,
     stop_running,
 )
+from flowopt.settings import above, at_least, between, check_stage, one_of
 
 SAMPLERS = ("random", "tpe")
 PRUNERS = PRUNE_RULES

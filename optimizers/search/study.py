@@ -17,8 +17,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from flowopt.errors import ConfigError
 from flowopt.compiler.integrity import check_sqlite
+from flowopt.errors import ConfigError
 
 STUDY_NAME = "flowopt-search"
 INTERRUPTED = "interrupted"
