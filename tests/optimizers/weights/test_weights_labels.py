@@ -47,7 +47,7 @@ def test_label_pairs_need_a_rationale_for_a_reasoning_field():
 
 
 def test_labels_setting_is_checked():
-    with pytest.raises(ConfigError, match="labels must be None, 'only' or 'mix'"):
+    with pytest.raises(ConfigError, match=r"labels must be one of \['only', 'mix'\] or None"):
         BootstrapFinetune(labels="gold")
 
 
