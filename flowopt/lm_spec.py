@@ -80,7 +80,11 @@ def endpoint_settings(spec: Mapping[str, Any]) -> list[str]:
     model = spec.get("model")
     if isinstance(model, str) and model.startswith("local/"):
         return []  # built by flowopt.lm from local files; LocalLM.from_spec checks its keys
-    return sorted(str(key) for key in spec if key not in SAMPLING_SETTINGS)
+    found = sorted(str(key) for key in spec if key not in SAMPLING_SETTINGS)
+    # Some litellm providers take a URL as the model ("huggingface/https://host/...") and send the key there.
+    if isinstance(model, str) and "://" in model:
+        found.insert(0, "model")
+    return found
 
 
 def refuse_loaded_endpoints(lms: Mapping[str, Any], *, source: str = "the loaded workflow") -> None:

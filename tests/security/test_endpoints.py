@@ -63,6 +63,14 @@ def test_a_loaded_file_cannot_set_an_endpoint(tmp_path, setting):
     assert trusted.lms["writer"][setting] == ENDPOINT_SETTINGS[setting]
 
 
+def test_a_model_name_that_is_a_url_is_an_endpoint(tmp_path):
+    """litellm's huggingface (and oobabooga) providers send the request, and the key, to a URL model."""
+    path = _workflow_file(tmp_path, {"model": "huggingface/https://attacker.example/v1"})
+    with pytest.raises(ConfigError, match=r"'default' sets 'model'"):
+        flowopt.load(path)
+    assert flowopt.load(path, trust_endpoints=True).lms["default"]["model"].endswith("/v1")
+
+
 def test_model_and_sampling_settings_load_without_trust(tmp_path):
     entry = {"model": "openai/gpt-4o-mini", "temperature": 0.3, "max_tokens": 50, "top_p": 0.9, "stop": ["\n"],
              "num_retries": 1, "model_type": "chat", "cache": True, "seed": 3}

@@ -212,6 +212,20 @@ def test_raw_syscalls_through_ctypes_are_refused(tmp_path):
     assert forked in ("-1", "?") and sock in ("-1", "?"), result.stdout
 
 
+def test_x32_syscall_numbers_do_not_bypass_the_filter():
+    """The same syscalls under the x32 ABI's numbers (nr | 0x40000000) must not slip past seccomp."""
+    result = run("""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        pid = libc.syscall(0x40000000 + 57)
+        if pid == 0:
+            libc._exit(0)
+        print('fork', pid, 'socket', libc.syscall(0x40000000 + 41, 2, 1, 0))
+    """)
+    values = result.stdout.split()[1:4:2]
+    assert all(v == "-1" for v in values), result.stdout  # refused, or the process was killed first
+
+
 def test_host_stdlib_cannot_be_opened_for_writing():
     stdlib_os = Path(os.__file__).resolve()
     before = stdlib_os.stat().st_mtime_ns
