@@ -77,7 +77,8 @@ def test_max_wall_s():
     lm = category_lm(latency_s=0.1)
     start = time.monotonic()
     out = _compile(lm, Budget(max_wall_s=0.6), num_threads=2)
-    assert out.report.stop_reason == "budget: max_wall_s"
+    # On a loaded machine the baseline alone can use the 0.6 s, and the stage then reports "(not run)".
+    assert out.report.stop_reason in ("budget: max_wall_s", "budget: max_wall_s (not run)")
     assert time.monotonic() - start < 2.0
 
 
