@@ -21,10 +21,10 @@ from typing import Any
 from flowopt.benchmarks.perf.harness import PerfParser, markdown_table, median_seconds, setup_logging, start_run
 from flowopt.benchmarks.perf.lm_workload import gsm8k_prompts
 
-SMOKE = {"repeats": 1, "decode_tokens": 3, "train_rows": 2}
+SMOKE = {"repeats": 1, "warmup": 0, "decode_tokens": 3, "train_rows": 2}
 
 
-def decode_step_ms(local: Any, ids: list[list[int]], repeats: int, tokens: int) -> float:
+def decode_step_ms(local: Any, ids: list[list[int]], repeats: int, tokens: int, warmup: int) -> float:
     import torch
 
     width = max(len(p) for p in ids)
@@ -39,13 +39,15 @@ def decode_step_ms(local: Any, ids: list[list[int]], repeats: int, tokens: int) 
             local.model.generate(input_ids=x, attention_mask=mask, do_sample=False, max_new_tokens=new,
                                  min_new_tokens=new, pad_token_id=0)
 
-    long, short = median_seconds(lambda: run(tokens), repeats), median_seconds(lambda: run(1), repeats)
+    long = median_seconds(lambda: run(tokens), repeats, warmup=warmup)
+    short = median_seconds(lambda: run(1), repeats, warmup=warmup)
     return (long - short) / (tokens - 1) * 1000
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = PerfParser("cpu_bf16_paths", __doc__, smoke=SMOKE)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls before each timing")
     parser.add_argument("--decode-tokens", type=int, default=33, help="new tokens of the long decode (>= 2)")
     parser.add_argument("--train-rows", type=int, default=32, help="sequences in the LoRA training step")
     run = start_run(parser, argv)
@@ -61,25 +63,25 @@ def main(argv: list[str] | None = None) -> int:
     from flowopt.lm.scoring import completion_logprobs
     from flowopt.optimizers.weights.policy import LoraSettings, Policy
 
-    r = args.repeats
+    r, w = args.repeats, args.warmup
     out: dict[str, Any] = {}
     texts = gsm8k_prompts(8)
     for dtype in ("float32", "bfloat16"):
         local = LocalLM("gemma-3-270m", dtype=dtype, progress=False)
         ids = [local.render(t) for t in texts]
-        out[f"decode_step_ms_{dtype}"] = {b: round(decode_step_ms(local, ids[:b], r, args.decode_tokens), 1)
+        out[f"decode_step_ms_{dtype}"] = {b: round(decode_step_ms(local, ids[:b], r, args.decode_tokens, w), 1)
                                           for b in (1, 8)}
         weight = local.base_model.get_output_embeddings().weight.detach()  # frozen, as under LoRA
-        out[f"lm_head_ms_{dtype}"] = {b: round(median_seconds(lambda b=b, w=weight: torch.nn.functional.linear(
-            torch.randn(b, 640, dtype=w.dtype), w), r) * 1000, 1) for b in (1, 8)}
+        out[f"lm_head_ms_{dtype}"] = {b: round(median_seconds(lambda b=b, head=weight: torch.nn.functional.linear(
+            torch.randn(b, 640, dtype=head.dtype), head), r, warmup=w) * 1000, 1) for b in (1, 8)}
         local.close()
 
     weight = torch.randn(262144, 640).bfloat16()  # requires_grad False
     strided = torch.randn(8, 92, 640).bfloat16()[:, -8:, :]
     out["lm_head_strided_bf16_frozen_ms"] = round(
-        median_seconds(lambda: torch.nn.functional.linear(strided, weight), r) * 1000, 1)
+        median_seconds(lambda: torch.nn.functional.linear(strided, weight), r, warmup=w) * 1000, 1)
     out["lm_head_contiguous_bf16_frozen_ms"] = round(
-        median_seconds(lambda: torch.nn.functional.linear(strided.contiguous(), weight), r) * 1000, 1)
+        median_seconds(lambda: torch.nn.functional.linear(strided.contiguous(), weight), r, warmup=w) * 1000, 1)
 
     rows = args.train_rows
     batch = pack([list(range(1000, 1085))] * rows, [list(range(2000, 2007))] * rows, 0)
@@ -99,14 +101,14 @@ def main(argv: list[str] | None = None) -> int:
                     completion_logprobs(policy.model, batch).sum().backward()
 
             key = f"lora_train_forward_backward_s_{dtype}" + ("" if hook else "_without_hook")
-            out[key] = round(median_seconds(train_step, max(1, r - 1)), 2)
+            out[key] = round(median_seconds(train_step, max(1, r - 1), warmup=w), 2)
             local.close()
 
     out["native_bf16"] = cpu_has_native_bf16()
     d32, d16 = out["decode_step_ms_float32"], out["decode_step_ms_bfloat16"]
     h32, h16 = out["lm_head_ms_float32"], out["lm_head_ms_bfloat16"]
     body = [
-        f"Native bf16 on this CPU: {out['native_bf16']}. Median of {r} repeats.", "",
+        f"Native bf16 on this CPU: {out['native_bf16']}. Median of {r} repeats after {w} untimed.", "",
         *markdown_table(["measurement", "float32", "bf16"], [
             ["decode step, batch 1 (ms)", d32[1], d16[1]],
             ["decode step, batch 8 (ms)", d32[8], d16[8]],

@@ -27,7 +27,7 @@ from flowopt.benchmarks.perf.harness import PerfParser, markdown_table, setup_lo
 from flowopt.io import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
-SMOKE = {"train": 4, "heldout": 4, "sft_epochs": 1, "grpo_steps": 1, "batch": 2, "group": 2}
+SMOKE = {"train": 4, "heldout": 4, "sft_epochs": 1, "grpo_steps": 1, "batch": 2, "group": 2, "threads": 1}
 NOISE = cue_word.NOISE + cue_word.MORE_NOISE
 
 
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gemma-demo-") as tmp:
         results = train_and_evaluate(args, Path(tmp))
         plot = Path(tmp) / "grpo" / "reward_curve.png"
-        figure = run.sibling("_reward_curve.png")
-        if plot.is_file():
+        figure = run.sibling("_reward_curve.png") if plot.is_file() else None
+        if figure is not None:
             atomic_write_bytes(figure, plot.read_bytes())
 
     curve = results["grpo_curve"]
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Model load: {results['load_s']} s. GRPO mean reward per step: "
         + ", ".join(f"{p['mean_reward']:.2f}" for p in curve) + ".",
     ]
-    if plot.is_file():
+    if figure is not None:
         body += ["", f"![GRPO reward curve]({figure.name})"]
     run.finish("Gemma 3 270M: BootstrapFinetune then GRPO on a task it starts low on", results, body)
     return 0

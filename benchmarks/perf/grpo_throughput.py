@@ -17,7 +17,8 @@ Run (CPU):  python -m flowopt.benchmarks.perf.grpo_throughput
 Run (GPU):  python -m flowopt.benchmarks.perf.grpo_throughput --model gemma-shaped --device cuda --batch 8 --group 8 \
                 --completion 64 --out benchmarks/results/grpo_throughput_gpu
 Writes benchmarks/results/grpo_throughput.{json,md} (``--out STEM``). Goal (issue 6): flowopt's steps/s >= TRL's.
-The task is :mod:`flowopt.benchmarks.cue_word`; TRL (``pip install -e ".[bench]"``) is needed for its runs.
+The task is :mod:`flowopt.benchmarks.cue_word`. It needs flowopt installed with its dependencies (DSPy
+included, on a GPU machine too), and TRL (``pip install -e ".[bench]"``) for the ``trl`` runs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import warnings
 from typing import Any
 
 from flowopt.benchmarks import cue_word
-from flowopt.benchmarks.perf.harness import Goal, PerfParser, markdown_table, setup_logging, start_run
+from flowopt.benchmarks.perf.harness import Goal, PerfParser, PerfRun, markdown_table, setup_logging, start_run
 
 logger = logging.getLogger(__name__)
 SMOKE = {"batch": 2, "group": 2, "completion": 4, "steps": 1, "warmup": 1, "repeats": 1,
@@ -323,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write(run: Any, results: dict[str, Any], trl_version: str | None) -> None:
+def write(run: PerfRun, results: dict[str, Any], trl_version: str | None) -> None:
     import torch
 
     args = run.args

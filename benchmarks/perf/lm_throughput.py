@@ -18,7 +18,7 @@ import time
 from flowopt.benchmarks.perf.harness import Goal, PerfParser, interleaved, markdown_table, setup_logging, start_run
 from flowopt.benchmarks.perf.lm_workload import calls_at_once, calls_one_at_a_time, gsm8k_prompts
 
-SMOKE = {"tokens": 4, "repeats": 1}
+SMOKE = {"tokens": 4, "repeats": 1, "torch_threads": 1}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from flowopt.benchmarks.perf.lm_workload import gsm8k_rows
 from flowopt.lm import CompletionAdapter, LocalLM
 
 logger = logging.getLogger(__name__)
-SMOKE = {"questions": 2, "max_tokens": 16, "threads": 2}
+SMOKE = {"questions": 1, "max_tokens": 8, "threads": 1, "torch_threads": 1}
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 

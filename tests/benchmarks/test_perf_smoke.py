@@ -8,6 +8,7 @@ rots. Scripts whose optional peer is missing (TRL, llama-cpp-python) are skipped
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -34,7 +35,7 @@ def _parse_rate(r: dict[str, Any]) -> None:
     assert [(c["adapter"], c["module"]) for c in r["configs"]] == [
         ("ChatAdapter", "Predict"), ("ChatAdapter", "ChainOfThought"),
         ("CompletionAdapter", "Predict"), ("CompletionAdapter", "ChainOfThought")]
-    assert all(c["questions"] == 2 and c["lm_calls"] >= 2 and 0 <= c["parsed"] <= 2 for c in r["configs"])
+    assert all(c["questions"] == 1 and c["lm_calls"] >= 1 and 0 <= c["parsed"] <= 1 for c in r["configs"])
 
 
 def _workflow_overhead(r: dict[str, Any]) -> None:
@@ -115,3 +116,7 @@ def test_script_runs_at_smoke_size(name: str, tmp_path: Path) -> None:
     markdown = (stem.parent / f"{name}.md").read_text()
     assert markdown.startswith(f"# {payload['title']}\n") and payload["command"] in markdown
     assert "|---" in markdown  # the script's table
+    for image in re.findall(r"!\[[^]]*\]\(([^)]+)\)", markdown):  # figures it links sit beside it
+        assert (stem.parent / image).is_file(), image
+    if name == "gemma_weights_demo":
+        assert (stem.parent / f"{name}_reward_curve.png").is_file()
