@@ -307,8 +307,14 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.005)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
+    parser.add_argument("--render-only", action="store_true", help="rewrite the .md from the .json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.render_only:
+        payload = json.loads((args.out / "search_generalisation.json").read_text())
+        methods = list(payload["summary"])
+        (args.out / "search_generalisation.md").write_text(render(payload, methods, args))
+        return
     log = logging.getLogger("search_generalisation")
     methods = ["bfrs8", *[m for m in args.methods if m != "bfrs8"]]
     args.methods = methods
@@ -397,7 +403,52 @@ def render(payload: dict[str, Any], methods: list[str], args: argparse.Namespace
         bad, runs = sum(e[0] for e in errs), sum(e[1] for e in errs)
         lines.append(f"* Pruner errors (a pruned candidate's full-valset score above the returned program's): "
                      f"{bad} of {runs} pruning runs. Stated rate: each prune decision is a one-sided test at 5%.")
+    lines += ["", *notes(payload)]
     return "\n".join(lines) + "\n"
+
+
+def notes(payload: dict[str, Any]) -> list[str]:
+    """Where flowopt's calls go, pruning per rung, pruner errors with a bound, finalists' effect."""
+    from scipy.stats import beta
+
+    out = ["## Notes", ""]
+    rows = [sd["rows"] for sd in payload["seeds"]]
+    if rows and "flowopt8_extra0" in rows[0]:
+        same = [r["flowopt8_extra0"] for r in rows if r["flowopt8_extra0"].get("search")]
+        total = statistics.fmean(r["lm_calls"] for r in same)
+        search = statistics.fmean(r["search"]["lm_calls"] for r in same)
+        rungs: dict[str, list[int]] = {}
+        for r in same:
+            for end, count in r["search"].get("pruned_by_rung", {}).items():
+                rungs.setdefault(end, []).append(count)
+        out.append(f"* Where the calls go (BFRS(8)'s candidates, `extra=0`): {total:.0f} calls a run; the search "
+                   f"stage {search:.0f} (bootstraps, racing, finalists), the baseline and the demos stage (its "
+                   f"bootstrap and its full-valset check) {total - search:.0f}. Pruned per rung (mean a run): "
+                   + ", ".join(f"{k}: {statistics.fmean(v):.2f}" for k, v in rungs.items()) + ".")
+    runs = [(name, r[name]) for r in rows for name in r if "pruner_error" in r[name]]
+    if runs:
+        bad = sum(bool(r["pruner_error"]) for _, r in runs)
+        upper = beta.ppf(0.95, bad + 1, len(runs) - bad) if bad < len(runs) else 1.0
+        out.append(f"* Pruner error: in {bad} of {len(runs)} runs that pruned (all pruning methods pooled) a pruned "
+                   f"candidate's full-valset score was above the returned program's (one-sided 95% upper bound "
+                   f"{upper:.3f} a run). Each prune decision is a one-sided test at 5% against the leader; the "
+                   "finalists' re-scoring on fresh examples may also return a program whose valset score is below "
+                   "another's, by design, which counts here as an error too.")
+    changed = total_f = 0
+    for r in rows:
+        for row in r.values():
+            fin = (row.get("search") or {}).get("finalists") or []
+            if len(fin) > 1:
+                total_f += 1
+                by_val = max(fin, key=lambda f: (f["val"], -f["candidate"]))["candidate"]
+                changed += by_val != max(fin, key=lambda f: (f["combined"], -f["candidate"]))["candidate"]
+    if total_f:
+        out.append(f"* Winner's curse guard: in {total_f} flowopt runs several finalists could not be told apart on "
+                   f"the valset; re-scoring them on unused training examples changed the pick in {changed}.")
+    out.append("* BFRS and MIPROv2 run DSPy's own code; `mipro`/`gepa` stages run the same optimizers inside "
+               "`compile()` (their extra calls are compile's baseline and final check). DSPy's cache is off for "
+               "every method, flowopt's own score memo (same program, same example) stays on.")
+    return out
 
 
 if __name__ == "__main__":
