@@ -261,20 +261,21 @@ class RandomSearch(Stage):
 
         storage: Any = self.storage
         shared = isinstance(storage, str) and "://" in storage
-        if storage in (None, "sqlite", "journal") and ctx.run_dir is None:
+        run_dir = ctx.run_dir
+        if storage in (None, "sqlite", "journal") and run_dir is None:
             if storage is not None:
                 raise ConfigError(f'RandomSearch storage="{storage}" needs a run_dir',
                                   fix="pass run_dir= to compile, or leave storage unset")
-        elif storage == "journal":
+        elif storage == "journal" and run_dir is not None:
             from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 
-            path = str(ctx.run_dir / "search.journal")
+            path = str(run_dir / "search.journal")
             # A process killed while it holds the lock leaves the lock file: break it after 3 s, not 30.
             lock = JournalFileOpenLock(path, grace_period=3)
             storage = optuna.storages.JournalStorage(JournalFileBackend(path, lock_obj=lock))
-        elif storage in (None, "sqlite"):
-            check_sqlite(ctx.run_dir / "search.db")  # a damaged file is refused by name, not as a raw error
-            storage = f"sqlite:///{ctx.run_dir / 'search.db'}"
+        elif storage in (None, "sqlite") and run_dir is not None:
+            check_sqlite(run_dir / "search.db")  # a damaged file is refused by name, not as a raw error
+            storage = f"sqlite:///{run_dir / 'search.db'}"
         else:
             # Heartbeats let a shared study notice a worker that died and fail its trial.
             with warnings.catch_warnings():
@@ -499,8 +500,8 @@ class _Space:
                     _set_temperature(p, t)
             elif key in named:
                 _set_temperature(named[key], t)
-        for key, choices in self.ensemble.items():
-            n = choices[get("cat", f"{key}.n", list(range(len(choices))))]
+        for key, sizes in self.ensemble.items():
+            n = sizes[get("cat", f"{key}.n", list(range(len(sizes))))]
             if isinstance(nodes, dict):
                 nodes[key[5:]].n = n
         return candidate

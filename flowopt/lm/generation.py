@@ -16,7 +16,7 @@ import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
@@ -152,7 +152,7 @@ def generate_batch(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
                 token = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
                 out[i].fill_(float("-inf"))
                 out[i, token] = 0.0
-            return out
+            return cast(torch.FloatTensor, out)  # transformers' declared return type
 
     max_stop = max((len(s) for row in rows for s in row.stop), default=0)
     done_len: list[int | None] = [None] * len(rows)
@@ -174,7 +174,8 @@ def generate_batch(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
                     tail = tokenizer.decode(ids[i, ids.shape[1] - span:].tolist(), skip_special_tokens=True)
                     if any(s in tail for s in row.stop):
                         done_len[i] = generated
-            return torch.tensor([d is not None for d in done_len], dtype=torch.bool, device=ids.device)
+            done = torch.tensor([d is not None for d in done_len], dtype=torch.bool, device=ids.device)
+            return cast(torch.BoolTensor, done)
 
     eos = _eos_ids(model, tokenizer)
     config = GenerationConfig(max_new_tokens=max(r.max_new_tokens for r in rows), do_sample=False, num_beams=1,

@@ -223,7 +223,7 @@ class LocalLM:
         resolved_dtype = pick_dtype(resolved_device, dtype)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolved_dtype, local_files_only=True)
+            model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolved_dtype, local_files_only=True)
         except (OSError, ValueError) as exc:
             raise LMError(f"could not load the model at {path}: {exc}",
                           fix="check that the folder holds config.json, weights and a tokenizer") from exc
@@ -340,7 +340,7 @@ class LocalLM:
         """
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        items = list(prompt)
+        items: list[Any] = list(prompt)
         if all(isinstance(t, int) for t in items):
             return [int(t) for t in items]
         key = tuple((str(m.get("role", "user")), str(m.get("content") or "")) for m in items)

@@ -66,7 +66,7 @@ def _rows(local: LocalLM, body: dict[str, Any]) -> list[RowSettings]:
         return [RowSettings(
             max_new_tokens=int(body.get("max_completion_tokens") or body.get("max_tokens") or local.max_new_tokens),
             temperature=float(local.temperature if temperature is None else temperature),
-            top_p=float(body.get("top_p") if body.get("top_p") is not None else 1.0),
+            top_p=float(1.0 if body.get("top_p") is None else body["top_p"]),
             top_k=int(body.get("top_k") or 0),
             # Sample 0 uses the seed itself, so a served call matches the same call made in-process.
             seed=None if seed is None else (int(seed) if k == 0 else derive_seed(int(seed), k)),
@@ -112,7 +112,9 @@ def text_completion(local: LocalLM, body: dict[str, Any], model_name: str) -> di
     if body.get("stream"):
         raise BadRequest("streaming is not supported by flowopt serve; send stream=false")
     rows = _rows(local, body)
-    choices, used, prompt_tokens = [], [], 0
+    choices: list[dict[str, Any]] = []
+    used: list[Any] = []
+    prompt_tokens = 0
     for text in prompts:
         prompt_ids = local.render(text)
         prompt_tokens += len(prompt_ids)

@@ -63,11 +63,11 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
 
 def _accepts_logits_to_keep(model: Any) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return _forward_takes_logits_to_keep(type(base))
+    return _forward_takes_logits_to_keep(base.__class__)
 
 
 @functools.lru_cache(maxsize=64)
-def _forward_takes_logits_to_keep(cls: type) -> bool:
+def _forward_takes_logits_to_keep(cls: Any) -> bool:
     try:
         return "logits_to_keep" in inspect.signature(cls.forward).parameters
     except (TypeError, ValueError):

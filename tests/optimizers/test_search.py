@@ -134,9 +134,9 @@ def test_rdb_url_storage_is_shared_by_workers(tmp_path):
     ({"pruner": "hyperband"}, "pruner must be one of"),
     ({"reduction_factor": 1}, "reduction_factor must be an int >= 2"),
     ({"minibatch_size": 0}, "minibatch_size must be an int >= 1"),
-    ({"temperatures": (3.0,)}, r"temperatures must be numbers in \[0, 2\]"),
-    ({"ensemble_n": (0,)}, "ensemble_n must be ints >= 1"),
-    ({"instructions": ["x"]}, "instructions must map predictor names"),
+    ({"temperatures": (3.0,)}, "temperatures must be a list of numbers each >= 0 and <= 2"),
+    ({"ensemble_n": (0,)}, "ensemble_n must be a list of ints each >= 1"),
+    ({"instructions": ["x"]}, "instructions must be an object whose values are each a list of strings"),
     ({"storage": "mysql"}, "storage must be None, 'journal' or an optuna RDB URL"),
 ])
 def test_settings_checks_say_how_to_fix(settings, match):
