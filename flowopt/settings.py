@@ -123,7 +123,7 @@ def type_hints(owner: Callable[..., Any]) -> dict[str, Any]:
     """The resolved annotations of a class or function; one that cannot be resolved counts as ``Any``."""
     try:
         return typing.get_type_hints(owner)
-    except Exception:
+    except Exception:  # e.g. a name imported only under TYPE_CHECKING: resolve the others one by one below
         pass
     raw: dict[str, Any] = {}
     for klass in reversed(getattr(owner, "__mro__", (owner,))):
@@ -133,8 +133,9 @@ def type_hints(owner: Callable[..., Any]) -> dict[str, Any]:
     resolved: dict[str, Any] = {}
     for name, annotation in raw.items():
         try:
+            # An annotation is the owner's own source text (never user input), as get_type_hints evaluates it.
             resolved[name] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
-        except Exception:
+        except Exception:  # unresolvable: the owner's own checks apply to this setting
             resolved[name] = Any
     return resolved
 

@@ -442,7 +442,7 @@ class Workflow(dspy.Module):
         return workflow_from_dict(data)
 
     @classmethod
-    def from_json(cls, text: str) -> Workflow:
+    def from_json(cls, text: str | bytes) -> Workflow:
         from flowopt.ir import loads, workflow_from_dict
 
         return workflow_from_dict(loads(text))

@@ -50,7 +50,7 @@ class DynamicBatcher(Generic[T, R]):
         >>> batcher.close()
     """
 
-    def __init__(self, run_batch: Callable[[Hashable, list[T]], Sequence[R]], *, max_batch_size: int = 16,
+    def __init__(self, run_batch: Callable[[Any, list[T]], Sequence[R]], *, max_batch_size: int = 16,
                  wait_ms: float = 10.0, name: str = "flowopt-batcher") -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -99,12 +99,9 @@ class DynamicBatcher(Generic[T, R]):
 
     def _next_batch(self) -> list[_Job[T, R]] | None:
         """Block for a first job, then gather same-group jobs until the wait elapses or the batch is full."""
-        if self._pending:
-            first = self._pending.pop(0)
-        else:
-            first = self._queue.get()
-            if first is None:
-                return None
+        first = self._pending.pop(0) if self._pending else self._queue.get()
+        if first is None:
+            return None
         batch = [first]
         keep = []
         for job in self._pending:
@@ -117,16 +114,16 @@ class DynamicBatcher(Generic[T, R]):
         while len(batch) < self.max_batch_size:
             timeout = deadline - time.monotonic()
             try:
-                job = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+                item = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
             except queue.Empty:
                 break
-            if job is None:  # close() while collecting: serve this batch, then stop
+            if item is None:  # close() while collecting: serve this batch, then stop
                 self._queue.put(None)
                 break
-            if job.group == first.group:
-                batch.append(job)
+            if item.group == first.group:
+                batch.append(item)
             else:
-                self._pending.append(job)
+                self._pending.append(item)
         return batch
 
     def _loop(self) -> None:

@@ -81,7 +81,8 @@ def _lenient_value(value: str, annotation: Any) -> Any:
         if re.match(r"^(no|false|incorrect)\b", lowered):
             return False
     if get_origin(annotation) is Literal or isinstance(annotation, enum.EnumMeta):
-        choices = [m.value for m in annotation] if isinstance(annotation, enum.EnumMeta) else get_args(annotation)
+        members: list[Any] = list(annotation) if isinstance(annotation, enum.EnumMeta) else []
+        choices = [m.value for m in members] if members else list(get_args(annotation))
         lowered = text.lower()
         for choice in choices:
             if isinstance(choice, str) and re.search(rf"\b{re.escape(choice.lower())}\b", lowered):

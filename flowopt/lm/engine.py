@@ -226,7 +226,7 @@ class LocalDSPyLM(dspy.LM):
         self._model_name = f"local/{local.name}"
         super().__init__(f"local/{local.name}", engine=LocalEngine(local), **kwargs)
 
-    @property  # type: ignore[override]
+    @property
     def model(self) -> str:
         return self._model_name + self._local.cache_tag()
 

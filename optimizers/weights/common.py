@@ -72,6 +72,8 @@ def finish(program: dspy.Module, policy: Policy, ctx: Any, stage: str) -> tuple[
         folder = Path(tempfile.mkdtemp(prefix=f"flowopt-{stage}-")) / "adapter"
         run_root = None
     folder, sha = policy.save_adapter(folder)
+    if policy.adapter is None:
+        raise RuntimeError(f"{stage}: no adapter was trained, so there is none to attach")
     attach(program, policy.local, policy.adapter, adapter_dir=folder, sha256=sha, run_root=run_root)
     info = {"adapter": str(folder), "adapter_sha256": sha, "student": policy.local.name}
     logger.info("%s: adapter saved to %s (sha256 %s)", stage, folder, sha[:12])

@@ -23,7 +23,7 @@ import dspy
 
 from flowopt.compiler.stage import Stage
 from flowopt.errors import BudgetExhausted, ConfigError
-from flowopt.optimizers.weights.advantages import SCALINGS, group_advantages
+from flowopt.optimizers.weights.advantages import SCALINGS, Scaling, group_advantages
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter, torch_generator
 from flowopt.optimizers.weights.learner import GRPOLearner, ScoredTransition
 from flowopt.optimizers.weights.loss import AGGREGATIONS
@@ -71,7 +71,7 @@ class GRPO(Stage):
     epsilon: float = 0.2
     epsilon_high: float | None = None
     beta: float = 0.0
-    scaling: str = "group"
+    scaling: Scaling = "group"
     aggregation: str = "dapo"
     passes: int = 1
     micro_batch_size: int = 8

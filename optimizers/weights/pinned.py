@@ -53,7 +53,7 @@ class AdapterLM(dspy.LM):
         kwargs.setdefault("max_tokens", local.max_new_tokens)
         super().__init__(f"local/{local.name}", engine=PinnedEngine(local, adapter), **kwargs)
 
-    @property  # type: ignore[override]
+    @property
     def model(self) -> str:
         # DSPy's cache keys on the model string: name the adapter's weights, not the adapter's name.
         return f"local/{self._local.name}@{self.sha256[:12]}"

@@ -196,6 +196,8 @@ class Policy:
     def adapter_state(self) -> dict[str, Any]:
         from peft import get_peft_model_state_dict
 
+        if self.adapter is None:
+            raise RuntimeError("adapter_state() needs a started adapter: call start_adapter() first")
         state = get_peft_model_state_dict(self.model, adapter_name=self.adapter)
         return {k: v.detach().cpu().clone() for k, v in state.items()}
 

@@ -185,7 +185,8 @@ def run_rollouts(program: dspy.Module, examples: Sequence[Any], group_size: int,
     quiet = _QuietTruncation()
     _DSPY_LM_LOGGER.addFilter(quiet)
     own_pool = pool is None or pool._max_workers < n  # a private attribute, but stable since Python 3.2
-    workers = ThreadPoolExecutor(max_workers=n, thread_name_prefix="flowopt-rollout") if own_pool else pool
+    workers = pool if pool is not None and not own_pool else ThreadPoolExecutor(max_workers=n,
+                                                                                 thread_name_prefix="flowopt-rollout")
     try:
         futures = [workers.submit(parent.copy().run, one, r) for r in rollouts]
         lockstep.serve()  # all generation runs here, on the caller's thread
