@@ -20,7 +20,9 @@ Writes benchmarks/results/shared_search.{json,md}. Goal (issue 17): 3 workers <=
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import logging
 import os
 import platform
 import resource
@@ -65,10 +67,15 @@ def worker(spec: dict[str, Any]) -> None:
     """One worker: compile with the shared search stage, write what it returned to ``spec["out"]``."""
     import dspy
 
+    for module in ("alembic.command", "alembic.migration", "sqlalchemy.orm"):  # optuna's RDB storage's imports
+        importlib.import_module(module)  # are outside the timing, as every import is
+
     import flowopt
     from flowopt.optimizers.search import RandomSearch
     from flowopt.optimizers.search.shared_plan import definition_of
 
+    logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("flowopt.optimizers.search.shared").setLevel(logging.INFO)  # the worker's timeline
     train, val = _examples(15, 0), _examples(24, 100)
     stage = RandomSearch(**SETTINGS, storage=spec["url"], study_name="bench")
     Path(spec["ready"]).touch()
@@ -133,18 +140,21 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.5)
     parser.add_argument("--url", help="a PostgreSQL server URL (postgresql+psycopg://user@host:port); default: "
                                       "a throwaway cluster")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 3], help="worker counts to time")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
         return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # leave the with-blocks: the cluster is removed
     sys.path.insert(0, str(ROOT / "tests" / "optimizers"))
     from postgres import PostgresCluster  # the tests' throwaway-cluster helper
 
     load_before = os.getloadavg()
     runs = []
     with tempfile.TemporaryDirectory() as tmp, PostgresCluster.start() as cluster:
-        for n, kill in ((1, False), (2, False), (3, False), (3, True)):
+        kill_run = [(max(args.workers), True)] if max(args.workers) > 1 else []
+        for n, kill in [*((n, False) for n in args.workers), *kill_run]:
             url = cluster.create_database(f"bench{n}{'k' if kill else ''}")
             runs.append(run(url, n, args.latency, Path(tmp), kill))
             print(f"{n} workers{' (one killed)' if kill else ''}: {runs[-1]['wall_s']} s", flush=True)

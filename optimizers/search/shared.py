@@ -71,11 +71,19 @@ def run_shared(stage: RandomSearch, program: dspy.Module, ctx: StageContext) -> 
         raise ConfigError("a shared search plans every candidate up front, which TPE cannot (it learns from "
                           "finished trials)", fix='pass sampler="random" with a shared storage URL')
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    started = time.monotonic()
     worker = SharedWorker(stage, ctx)
     with worker.heartbeats():
-        space_info = worker.ensure_plan(program)
+        plan = worker.ensure_plan(program)
+        logger.info("%s: plan of %d candidates ready after %.1f s", worker.worker_id, plan["candidates"],
+                    time.monotonic() - started)
         stop_reason = worker.search(program)
-    return worker.best(program, stop_reason, space_info)
+        logger.info("%s: search %s after %.1f s, %d candidates scored here", worker.worker_id, stop_reason,
+                    time.monotonic() - started, worker.scored_here)
+        chosen = worker.best(program, stop_reason, plan)
+    logger.info("%s: winner %s after %.1f s", worker.worker_id, ctx.info.get("best_candidate"),
+                time.monotonic() - started)
+    return chosen
 
 
 class SharedWorker:
@@ -200,7 +208,9 @@ class SharedWorker:
         return plan
 
     def _plan(self, program: dspy.Module) -> dict[str, Any]:
+        started = time.monotonic()
         planned, space = plan_candidates(self.stage, program, self.ctx)
+        logger.info("%s: %d candidates planned in %.1f s", self.worker_id, len(planned), time.monotonic() - started)
         present = {t.user_attrs.get("candidate") for t in self.study.get_trials(deepcopy=False)}
         for number, (kind, definition) in enumerate(planned):
             if number not in present:  # a planner that died half-way enqueued the others
