@@ -5,7 +5,7 @@ make (task, proposer and reflection models alike) goes through flowopt's DSPy ho
 the report and is refused once a ``Budget`` limit is reached. A run the budget cuts short returns the
 program it started from (DSPy's optimizers hand back nothing partial) with ``stop_reason``
 ``"budget: ..."``; GEPA can also be bounded by its own ``max_metric_calls``, which by default is
-sized to fit what a ``max_lm_calls`` budget leaves.
+sized to fit what a ``max_lm_calls`` budget leaves (three quarters of it).
 
 Checkpoints: a finished stage is saved by the compile run folder like any stage. GEPA also keeps its
 own state in ``run_dir/gepa`` (DSPy's ``log_dir``), so a killed GEPA run resumes where it stopped;
@@ -113,7 +113,7 @@ class GEPAStage(Stage):
     """``dspy.GEPA`` as a stage: instructions evolved by LM reflection on the program's traces.
 
     Settings: exactly one of ``auto``, ``max_full_evals``, ``max_metric_calls`` (GEPA's own budget;
-    when none is given: what a ``max_lm_calls`` budget leaves, else ``auto="light"``),
+    when none is given: three quarters of what a ``max_lm_calls`` budget leaves, else ``auto="light"``),
     ``reflection_lm`` (default: the task LM), ``reflection_minibatch_size`` and ``use_merge``. The
     user's metric is wrapped into GEPA's five-argument form (its score is GEPA's feedback).
 
@@ -149,8 +149,9 @@ class GEPAStage(Stage):
             return {"max_metric_calls": self.max_metric_calls}
         remaining = ctx.budget.remaining_calls()
         if remaining is not None:
-            # One metric call is one program run; reflection calls come on top, so leave a tenth for them.
-            return {"max_metric_calls": max(1, int(remaining * 0.9))}
+            # One metric call is one program run; reflection calls and GEPA's final full-valset pass come
+            # on top, and a run the budget cuts short returns nothing: leave a quarter for them.
+            return {"max_metric_calls": max(1, int(remaining * 0.75))}
         return {"auto": "light"}
 
     def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:

@@ -10,9 +10,9 @@ BFRS with N candidate programs scores N + 3 programs: zero-shot, labeled-only, a
 bootstrap and N shuffled bootstraps. flowopt's "same candidates" row scores the same N + 3 programs:
 the baseline (zero-shot), the demos stage (the unshuffled bootstrap; with seed 0 flowopt's
 BootstrapFewShot picks DSPy's demos), and the search with ``seeded=N`` (labeled-only and N shuffled
-bootstraps drawn as BFRS draws them; its incumbent and zero-shot candidates are the two programs
-above again and cost nothing, their scores being memoised). The "defaults" row is the search with
-its default mix (half seeded, half sampled by optuna from the pooled demos), for reference.
+bootstraps drawn as BFRS draws them, ``extra=0``; its incumbent and zero-shot candidates are the two
+programs above again and cost nothing, their scores being memoised). The "defaults" row adds the
+search's default extras (optuna-sampled candidates paid for by what pruning saved), for reference.
 
 Run:  .venv/bin/python benchmarks/perf/compile_vs_dspy.py [--latency 0.05] [--candidates 8] [--threads 8]
 Writes benchmarks/results/compile_vs_dspy.{json,md}.
@@ -104,7 +104,7 @@ def run_flowopt(args, train, val, *, mirror: bool = True):
     # Search candidates: incumbent (= the demos stage), zero-shot (= the baseline), labeled-only and
     # `candidates` more, so that baseline + demos + search score the same N + 3 programs as BFRS.
     stages = [BootstrapFewShot(max_bootstrapped_demos=args.max_demos, max_labeled_demos=args.max_demos),
-              RandomSearch(n_candidates=args.candidates + 3, seeded=args.candidates if mirror else None,
+              RandomSearch(n_candidates=args.candidates + 3, extra=0 if mirror else None,
                            max_demos=args.max_demos, max_labeled_demos=args.max_demos)]
     start = time.perf_counter()
     with dspy.context(lm=lm):
@@ -143,7 +143,8 @@ def main() -> None:
     default_result = run_flowopt(args, train, val, mirror=False)
     ratio = flowopt_result["wall_s"] / dspy_result["wall_s"]
     machine = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-               "processor": platform.processor() or platform.machine(), "dspy": dspy.__version__}
+               "processor": platform.processor() or platform.machine(), "dspy": dspy.__version__,
+               "load_average": os.getloadavg()}
     command = (f".venv/bin/python benchmarks/perf/compile_vs_dspy.py --latency {args.latency} --candidates "
                f"{args.candidates} --threads {args.threads} --max-demos {args.max_demos} --train {args.train} "
                f"--val {args.val}")
@@ -158,7 +159,8 @@ def main() -> None:
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {machine['platform']}, {machine['cpus']} CPUs, Python {machine['python']}, DSPy {machine['dspy']}.",
+        f"Machine: {machine['platform']}, {machine['cpus']} CPUs, Python {machine['python']}, DSPy {machine['dspy']}; "
+        f"load average {machine['load_average'][0]:.1f} at the end (shared machine: wall times are noisy).",
         f"Fake LM: fixed {args.latency * 1000:.0f} ms latency per real call, deterministic answers, LM cache on "
         "(in-memory, emptied before each run). Same program, trainset "
         f"({args.train}), valset ({args.val}), {args.threads} threads.",
@@ -169,7 +171,7 @@ def main() -> None:
         f"{dspy_result['lm_calls']} | {dspy_result['val_score']:.3f} |",
         *(f"| flowopt demos + search, {tag} | {r['candidates']} ({r['pruned']} pruned) | "
           f"{r['wall_s']:.2f} | {r['lm_calls']} | {r['val_score']:.3f} |"
-          for tag, r in (("same candidates (`seeded=N`)", flowopt_result), ("search defaults", default_result))),
+          for tag, r in (("same candidates (`extra=0`)", flowopt_result), ("search defaults", default_result))),
         "",
         f"Wall-time ratio flowopt / DSPy, same candidates: **{ratio:.2f}** (goal <= 0.5 at an equal or better "
         f"score: {'met' if result['goal_met'] else 'NOT met'}); with the search's defaults: "
@@ -185,8 +187,10 @@ def main() -> None:
         "Where the time goes: DSPy bootstraps each candidate one training example at a time and scores every",
         "candidate on the whole valset, one candidate after another. flowopt bootstraps all candidates at once",
         "(each round launching only the examples still needed, so the same calls as DSPy's loop), races the",
-        "candidates together on one pool of the same number of threads, on doubling minibatches of the valset",
-        "with successive-halving pruning (optuna pruner, keep the best third), and never pays twice for a score",
+        "candidates together on one pool of the same number of threads, on growing prefixes of the valset",
+        "(first rung max(20, 25%)), pruning a candidate only when a paired test says it trails the leader at",
+        "one-sided 95% (McNemar; ties never prune), re-scores close finalists on unused training examples, and",
+        "never pays twice for a score",
         "(memo by program state: the search's incumbent and zero-shot, and the final check, are free). No",
         "run_dir is given, so the optuna study is in memory in both runs of flowopt.",
         "",

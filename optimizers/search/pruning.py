@@ -44,7 +44,8 @@ def first_rung(n: int, requested: int | None = None) -> int:
 
 def rungs(n: int, first: int, growth: float = 2.0) -> list[int]:
     """Cumulative minibatch ends: first, first*growth, first*growth^2, ..., n."""
-    out, size = [], float(max(1, first))
+    out: list[int] = []
+    size = float(max(1, first))
     while round(size) < n:
         if not out or round(size) > out[-1]:
             out.append(round(size))

@@ -147,8 +147,8 @@ class SearchSpace:
                     _set_temperature(p, t)
             elif key in named:
                 _set_temperature(named[key], t)
-        for key, choices in self.ensemble.items():
-            n = choices[get("cat", f"{key}.n", list(range(len(choices))))]
+        for key, sizes in self.ensemble.items():
+            n = sizes[get("cat", f"{key}.n", list(range(len(sizes))))]
             if isinstance(nodes, dict):
                 nodes[key[5:]].n = n
         return candidate

@@ -97,7 +97,7 @@ class RandomSearch(Stage):
         alpha: the confidence pruner's one-sided error level per decision.
         reduction_factor: successive halving's eta.
         minibatch_size: valset examples in the first rung (at least ``max(20, 25% of the valset)``);
-            later rungs grow 1.5x (``confidence``) or 2x.
+            later rungs grow 1.25x (``confidence``: more chances to stop early) or 2x.
         parallel: candidates raced at once (default: all planned ones for ``"random"``, 4 for
             ``"tpe"``; extras go 4 at a time).
         finalists: how many fully scored candidates to re-score against the winner's curse (0: off).
@@ -204,7 +204,7 @@ class RandomSearch(Stage):
         """Where the rungs end on a valset of ``n`` examples (cumulative counts; the last is ``n``)."""
         if self.pruner == "none":
             return [n]
-        return rungs(n, first_rung(n, self.minibatch_size), 1.5 if self.pruner == "confidence" else 2.0)
+        return rungs(n, first_rung(n, self.minibatch_size), 1.25 if self.pruner == "confidence" else 2.0)
 
     # ------------------------------------------------------------------ run
     def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
@@ -332,7 +332,7 @@ class RandomSearch(Stage):
                  if t is ranked[0] or not worse_than(t.user_attrs[SCORES], leader, self.alpha)]
         programs = [space.apply(program, t) for t in close]
         shown = [d for p in programs for _, pred in p.named_predictors() for d in pred.demos]
-        fresh = [e for e in ctx.trainset if not _is_shown(e, shown)][: len(ctx.valset)]
+        fresh = [e for e in ctx.trainset if not _is_shown(e, shown)][: max(1, len(ctx.valset) // 2)]
         fresh_scores: list[list[float]] = [[] for _ in close]
         if len(close) > 1 and fresh:
             try:

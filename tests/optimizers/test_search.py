@@ -163,3 +163,33 @@ def test_workflow_predict_node_is_searchable():
     wf = flowopt.chain("question -> answer", Predict("question -> answer"))
     out = _search(category_lm(), RandomSearch(n_candidates=5, seeded=2, max_demos=3, max_labeled_demos=3), program=wf)
     assert out.report.best_score >= out.report.baseline_score
+
+
+def test_extras_are_paid_for_by_what_pruning_saved():
+    settings = dict(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3)
+    pruned = _search(category_lm(cache=False), RandomSearch(pruner="halving", **settings), valset=BIG_VAL)
+    full = _search(category_lm(cache=False), RandomSearch(pruner="none", **settings), valset=BIG_VAL)
+    row = pruned.report.stage("search")
+    # Halving stopped >= 3 challengers at the first rung (20 of 60 examples): >= 120 evaluations saved.
+    assert row.info["extra"] >= 1 and row.candidates_tried == 7 + row.info["extra"]
+    assert full.report.stage("search").info["extra"] == 0  # nothing saved, nothing extra
+    assert sum(row.info["pruned_by_rung"].values()) == row.info["pruned"]
+
+
+def test_a_call_budget_buys_extra_candidates_and_is_not_exceeded():
+    lm = category_lm(cache=False)
+    out = _search(lm, RandomSearch(n_candidates=5, seeded=2, max_demos=3, max_labeled_demos=3, pruner="none"),
+                  valset=BIG_VAL, budget=flowopt.Budget(max_lm_calls=700))
+    row = out.report.stage("search")
+    assert row.info["extra"] >= 2 and lm.engine.calls <= 700
+
+
+def test_finalists_are_rescored_on_fresh_examples_and_both_scores_reported():
+    out = _search(category_lm(cache=False), RandomSearch(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3,
+                                                         extra=0), valset=BIG_VAL)
+    info = out.report.stage("search").info
+    finalists = info["finalists"]
+    assert len(finalists) >= 2  # several candidates tie on the valset
+    assert all(f["fresh_n"] > 0 and f["val"] is not None and f["fresh"] is not None for f in finalists)
+    best = max(finalists, key=lambda f: (f["combined"], -f["candidate"]))
+    assert info["best_candidate"] == best["candidate"] and "fresh training examples" in info["why"]
