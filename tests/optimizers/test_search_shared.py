@@ -207,3 +207,13 @@ def test_a_second_process_on_a_journal_run_dir_is_refused(tmp_path):
     finally:
         holder.communicate("", timeout=10)
     assert not os.path.exists(tmp_path / "stages" / "00-search" / "search.journal")  # nothing touched
+
+
+def test_without_postgres_the_tests_skip_except_under_ci(monkeypatch):
+    monkeypatch.setattr(postgres, "missing_reason", lambda: "initdb not found")
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="initdb not found"):
+        postgres.require_postgres()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true but initdb not found"):
+        postgres.require_postgres()
