@@ -37,8 +37,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-SETTINGS = {"n_candidates": 24, "seeded": 4, "max_demos": 2, "max_labeled_demos": 2, "pool_size": 4,
-            "pruner": "none", "heartbeat_s": 2, "stale_after_s": 8, "wait_timeout_s": 300}
+SETTINGS: dict[str, Any] = {"n_candidates": 24, "seeded": 4, "max_demos": 2, "max_labeled_demos": 2,
+                            "pool_size": 4, "pruner": "none", "heartbeat_s": 2, "stale_after_s": 8,
+                            "wait_timeout_s": 300}
 CATS = "abc"
 
 
@@ -100,8 +101,9 @@ def run(url: str, n_workers: int, latency: float, tmp: Path, kill: bool = False)
     tag = f"{n_workers}{'k' if kill else ''}"
     optuna.storages.RDBStorage(url)  # creates optuna's tables: a one-time set-up of the database
     go = tmp / f"go-{tag}"
-    specs = [{"url": url, "latency": latency, "go": str(go), "ready": str(tmp / f"ready-{tag}-{i}"),
-              "out": str(tmp / f"out-{tag}-{i}.json")} for i in range(n_workers)]
+    specs: list[dict[str, Any]] = [{"url": url, "latency": latency, "go": str(go),
+                                    "ready": str(tmp / f"ready-{tag}-{i}"), "out": str(tmp / f"out-{tag}-{i}.json")}
+                                   for i in range(n_workers)]
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(s)], cwd=ROOT) for s in specs]
     while not all(Path(s["ready"]).exists() for s in specs):
         time.sleep(0.05)

@@ -372,7 +372,8 @@ class SharedWorker:
         if winner is None:
             return program
         top = next(t for t in finished if t.state == TrialState.COMPLETE and t.user_attrs["candidate"] == winner)
-        self.ctx.record(best_candidate=winner, best_kind=top.user_attrs.get("kind"), best_value=round(top.value, 6))
+        value = float(top.value or 0.0)  # a COMPLETE trial of this study always has its value
+        self.ctx.record(best_candidate=winner, best_kind=top.user_attrs.get("kind"), best_value=round(value, 6))
         return apply_definition(program, top.user_attrs["definition"])
 
 class StoredCandidates:
