@@ -2,11 +2,11 @@
 
 The study holds the truth, and every step is safe against a worker killed at any moment:
 
-1. **Plan.** The first worker to create the lock study ``<study_name>:planner`` builds the search
-   space and enqueues every candidate as a WAITING trial whose user attrs hold its full definition
-   (demos, instruction text, settings), then marks the study planned. The others wait for that; if
-   the planner's heartbeat stops, one of them (chosen atomically) plans instead, adding only the
-   candidates still missing.
+1. **Plan.** The first worker to create the lock study ``<study_name>:plan`` builds the search
+   space and enqueues every candidate (``n_candidates``, plus ``extra`` if it is an int) as a
+   WAITING trial whose user attrs hold its full definition (demos, instruction text, settings),
+   then writes the plan in the study. The others wait for it; if the planner's heartbeat stops,
+   one of them (chosen atomically) plans instead, adding only the candidates still missing.
 2. **Claim.** A worker records a heartbeat for a WAITING trial, then moves it to RUNNING; the storage
    does that under a row lock and refuses a trial another worker already took, so no candidate is
    claimed twice. ``study.ask()`` is not used: with nothing waiting it would make a trial from the
@@ -15,10 +15,11 @@ The study holds the truth, and every step is safe against a worker killed at any
 4. **Lost work.** Each worker fails stale trials (``optuna.storages.fail_stale_trials``: no heartbeat
    for ``stale_after_s``) and re-enqueues any candidate whose trials all failed; a one-time token per
    failed trial makes exactly one worker do that.
-5. **The answer.** A worker with nothing to claim waits for the running trials (requeued ones
-   included), then returns the study's best (highest value, ties to the lower candidate number): the
-   same program in every worker. Every wait ends after ``wait_timeout_s`` without progress with an
-   error that says what is stuck.
+5. **The answer.** A worker with nothing to claim waits until every candidate is scored (requeued
+   ones included). Then one worker picks the winner by the stage's own rule (finalists included)
+   and writes it in the study (lock study ``<study_name>:winner``, as for the plan); every worker
+   returns that candidate. Every wait ends after ``wait_timeout_s`` without progress with an error
+   that says what is stuck. A worker stopped by its own ``Budget`` returns its own pick so far.
 
 Example:
     >>> from flowopt.optimizers.search import RandomSearch
@@ -36,7 +37,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -55,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.25  # how often a waiting worker looks at the study again
 PLAN = "plan"  # the study's user attr written once every candidate is enqueued
+WINNER = "winner"  # the study's user attr: the candidate every worker returns
+STUDY_BUDGET = "budget: study_max_lm_calls"
 CALLS = "lm_calls:"  # study user attrs: LM calls each worker spent on this search
 # Settings that may differ between the workers of one study (the planner alone uses the proposer LM).
 SETTINGS_LOCAL_TO_A_WORKER = ("heartbeat_s", "stale_after_s", "wait_timeout_s", "parallel", "proposer_lm")
@@ -68,11 +71,19 @@ def run_shared(stage: RandomSearch, program: dspy.Module, ctx: StageContext) -> 
         raise ConfigError("a shared search plans every candidate up front, which TPE cannot (it learns from "
                           "finished trials)", fix='pass sampler="random" with a shared storage URL')
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    started = time.monotonic()
     worker = SharedWorker(stage, ctx)
     with worker.heartbeats():
-        space_info = worker.ensure_plan(program)
+        plan = worker.ensure_plan(program)
+        logger.info("%s: plan of %d candidates ready after %.1f s", worker.worker_id, plan["candidates"],
+                    time.monotonic() - started)
         stop_reason = worker.search(program)
-    return worker.best(program, stop_reason, space_info)
+        logger.info("%s: search %s after %.1f s, %d candidates scored here", worker.worker_id, stop_reason,
+                    time.monotonic() - started, worker.scored_here)
+        chosen = worker.best(program, stop_reason, plan)
+    logger.info("%s: winner %s after %.1f s", worker.worker_id, ctx.info.get("best_candidate"),
+                time.monotonic() - started)
+    return chosen
 
 
 class SharedWorker:
@@ -141,34 +152,52 @@ class SharedWorker:
             self.held.difference_update(trial_ids)
 
     # ------------------------------------------------------------------ plan
-    def ensure_plan(self, program: dspy.Module) -> dict[str, Any]:
-        """Plan the candidates (first worker) or wait for the plan; returns the plan's summary."""
+    def decided(self, what: str, decide: Callable[[], Any]) -> Any:
+        """The study's user attr ``what``: computed by one worker (``decide``), waited for by the others.
+
+        The first worker to create the lock study ``<study_name>:<what>`` decides, holding a trial
+        there with heartbeats; if that trial goes stale (the worker died), one waiting worker, chosen
+        by a one-time token, decides instead. Waiting ends after ``wait_timeout_s`` with an error.
+        """
         import optuna
 
-        lock_name = f"{self.stage.study_name}:planner"
+        lock_name = f"{self.stage.study_name}:{what}"
         lock_study = None
         deadline = time.monotonic() + self.stage.wait_timeout_s
-        while PLAN not in self.study.user_attrs:
+        while what not in self.study.user_attrs:
             if once(self.storage, lock_name):
-                lock_study = optuna.load_study(study_name=lock_name, storage=self.storage)
-                self._plan(program, lock_study)
-                break
+                return self._decide(what, decide, optuna.load_study(study_name=lock_name, storage=self.storage))
             lock_study = lock_study or optuna.load_study(study_name=lock_name, storage=self.storage)
             self._fail_stale(lock_study)
-            planners = lock_study.get_trials(deepcopy=False)
-            planner_died = bool(planners) and all(t.state == optuna.trial.TrialState.FAIL for t in planners)
-            if planner_died and once(self.storage, f"{lock_name}:{planners[-1].number}"):
-                logger.warning("the planning worker stopped; %s plans instead", self.worker_id)
-                self._plan(program, lock_study)
-                break
+            leaders = lock_study.get_trials(deepcopy=False)
+            leader_died = bool(leaders) and all(t.state == optuna.trial.TrialState.FAIL for t in leaders)
+            if leader_died and once(self.storage, f"{lock_name}:{leaders[-1].number}"):
+                logger.warning("the worker deciding the %s stopped; %s decides instead", what, self.worker_id)
+                return self._decide(what, decide, lock_study)
             if time.monotonic() > deadline:
-                raise FlowoptError(f"shared search {self.stage.study_name!r}: no plan after waiting "
-                                   f"{self.stage.wait_timeout_s} s (the planning worker is alive but slow, or died "
+                raise FlowoptError(f"shared search {self.stage.study_name!r}: no {what} after waiting "
+                                   f"{self.stage.wait_timeout_s} s (the worker deciding it is alive but slow, or died "
                                    "before its first heartbeat)",
-                                   fix="raise wait_timeout_s, or delete the study and its ':planner' study and start "
-                                       "again")
+                                   fix=f"raise wait_timeout_s, or delete the study and its ':{what}' study and "
+                                       "start again")
             time.sleep(POLL_S)
-        plan = dict(self.study.user_attrs[PLAN])
+        return self.study.user_attrs[what]
+
+    def _decide(self, what: str, decide: Callable[[], Any], lock_study: Any) -> Any:
+        from optuna.trial import TrialState
+
+        lock_study.enqueue_trial({})
+        me = self._claim(lock_study, lock_study.get_trials(deepcopy=False)[-1].number)
+        value = decide()
+        self.study.set_user_attr(what, value)
+        if me is not None:
+            self.storage.set_trial_state_values(me, TrialState.COMPLETE, [0.0])
+            self._release([me])
+        return value
+
+    def ensure_plan(self, program: dspy.Module) -> dict[str, Any]:
+        """Plan the candidates (one worker) or wait for the plan; returns the plan's summary."""
+        plan = dict(self.decided(PLAN, lambda: self._plan(program)))
         self.n_candidates = int(plan["candidates"])
         mine = _fingerprint(self.stage)
         if plan["settings"] != mine:
@@ -178,25 +207,19 @@ class SharedWorker:
                               fix="run every worker with the same search settings, or pass a new study_name")
         return plan
 
-    def _plan(self, program: dspy.Module, lock_study: Any) -> None:
-        from optuna.trial import TrialState
-
-        lock_study.enqueue_trial({})
-        me = self._claim(lock_study, lock_study.get_trials(deepcopy=False)[-1].number)
+    def _plan(self, program: dspy.Module) -> dict[str, Any]:
+        started = time.monotonic()
         planned, space = plan_candidates(self.stage, program, self.ctx)
+        logger.info("%s: %d candidates planned in %.1f s", self.worker_id, len(planned), time.monotonic() - started)
         present = {t.user_attrs.get("candidate") for t in self.study.get_trials(deepcopy=False)}
         for number, (kind, definition) in enumerate(planned):
             if number not in present:  # a planner that died half-way enqueued the others
                 self.study.enqueue_trial({}, user_attrs={"candidate": number, "kind": kind, "definition": definition})
         self._record_calls()
-        self.study.set_user_attr(PLAN, {
-            "candidates": len(planned), "settings": _fingerprint(self.stage), "planner": self.worker_id,
-            "pool_demos": {n: len(p) for n, p in space.pools.items()},
-            "instruction_candidates": {n: len(c) for n, c in space.instructions.items()},
-            "pool_exhausted_by": space.pool_exhausted_by})
-        if me is not None:
-            self.storage.set_trial_state_values(me, TrialState.COMPLETE, [float(len(planned))])
-            self._release([me])
+        return {"candidates": len(planned), "settings": _fingerprint(self.stage), "planner": self.worker_id,
+                "pool_demos": {n: len(p) for n, p in space.pools.items()},
+                "instruction_candidates": {n: len(c) for n, c in space.instructions.items()},
+                "pool_exhausted_by": space.pool_exhausted_by}
 
     # ------------------------------------------------------------------ search
     def search(self, program: dspy.Module) -> str:
@@ -220,7 +243,7 @@ class SharedWorker:
                 return f"budget: {err.limit}"
             limit = self.stage.study_max_lm_calls
             if limit is not None and self.study_calls() >= limit:
-                stop_reason = "budget: study_max_lm_calls"
+                stop_reason = STUDY_BUDGET
             trials = self.requeue_lost() if stop_reason == "done" else self.study.get_trials(deepcopy=False)
             waiting = [t for t in trials if t.state == TrialState.WAITING] if stop_reason == "done" else []
             claimed: list[tuple[int, int]] = []
@@ -323,22 +346,35 @@ class SharedWorker:
         return sum(int(v) for k, v in self.study.user_attrs.items() if k.startswith(CALLS))
 
     def best(self, program: dspy.Module, stop_reason: str, plan: dict[str, Any]) -> dspy.Module:
-        """The study's pick, made by the stage's own rule (finalists included) from the stored
-        definitions: every worker sees the same finished trials, so every worker picks the same."""
+        """The study's pick: one worker picks by the stage's own rule (finalists included) from the
+        stored definitions and writes it in the study; every worker returns that candidate."""
         from optuna.trial import TrialState
 
-        ends = self.stage.rung_ends(len(self.ctx.valset))
-        chosen = self.stage._best(self.study, StoredCandidates(), program, self.ctx, stop_reason, ends,
-                                  len(self.ctx.valset))
+        n_val = len(self.ctx.valset)
+
+        def pick() -> int | None:
+            self.stage._best(self.study, StoredCandidates(), program, self.ctx, stop_reason,
+                             self.stage.rung_ends(n_val), n_val)
+            return self.ctx.info.get("best_candidate")
+
+        if stop_reason.startswith("budget:") and stop_reason != STUDY_BUDGET:
+            winner = pick()  # this worker's own budget stopped it early: its pick so far, not the study's
+        else:
+            winner = self.decided(WINNER, pick)
         finished = [t for t in self.study.get_trials(deepcopy=False)
                     if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
         scored = {t.user_attrs.get("candidate") for t in finished}
         self.ctx.record(candidates_tried=len(scored), scored_here=self.scored_here,
                         scored_twice=len(finished) - len(scored), study_candidates=plan["candidates"],
                         study_lm_calls=self.study_calls(), planner=plan["planner"] == self.worker_id,
-                        pool_demos=plan["pool_demos"], instruction_candidates=plan["instruction_candidates"])
-        return chosen
-
+                        pool_demos=plan["pool_demos"], instruction_candidates=plan["instruction_candidates"],
+                        stop_reason=stop_reason)
+        if winner is None:
+            return program
+        top = next(t for t in finished if t.state == TrialState.COMPLETE and t.user_attrs["candidate"] == winner)
+        value = float(top.value or 0.0)  # a COMPLETE trial of this study always has its value
+        self.ctx.record(best_candidate=winner, best_kind=top.user_attrs.get("kind"), best_value=round(value, 6))
+        return apply_definition(program, top.user_attrs["definition"])
 
 class StoredCandidates:
     """Stands in for the search space when the stage picks its winner: a trial's program is its

@@ -199,8 +199,7 @@ class RandomSearch(Stage):
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         with ThreadPoolExecutor(max_workers=max(1, ctx.num_threads), thread_name_prefix="flowopt-search") as lm_pool:
             space = SearchSpace.build(self, program, ctx, lm_pool)
-        study, shared = open_study(self.storage, self.study_name, optuna.pruners.NopPruner(), ctx.run_dir,
-                                   ctx.resume)
+        study = open_study(self.storage, self.study_name, optuna.pruners.NopPruner(), ctx.run_dir, ctx.resume)
         order = list(ctx.valset)
         ctx.rng.shuffle(order)  # one fixed order: the candidates' scores are paired example by example
         n = len(order)
@@ -211,14 +210,14 @@ class RandomSearch(Stage):
         bar = ctx.progress(total=planned, desc=f"{ctx.stage_name}: candidates",
                            initial=min(planned, finished_count(study)))
         try:
-            while wave := next_wave(study, planned, width, skip_running=shared):
+            while wave := next_wave(study, planned, width):
                 ctx.budget.check()
                 asked = [self._ask(study, space, program, ctx, number, previous) for number, previous in wave]
                 self._race(study, asked, order, ends, ctx)
                 bar.update(len(asked))
             extra_width = self.parallel or 4
             while (count := self._extras_affordable(study, planned, n, extras, extra_width, ctx)) > 0:
-                wave = next_wave(study, planned + extras + count, count, skip_running=shared, start=planned + extras)
+                wave = next_wave(study, planned + extras + count, count, start=planned + extras)
                 extras += count
                 if not wave:
                     continue

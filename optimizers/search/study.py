@@ -24,17 +24,15 @@ STUDY_NAME = "flowopt-search"
 INTERRUPTED = "interrupted"
 
 
-def open_study(storage: str | None, study_name: str, pruner: Any, run_dir: Path | None,
-               resume: bool) -> tuple[Any, bool]:
-    """The optuna study and whether it is shared with other workers.
+def open_study(storage: str | None, study_name: str, pruner: Any, run_dir: Path | None, resume: bool) -> Any:
+    """The optuna study of a search run by one process (a shared one: :mod:`.shared`).
 
-    ``storage``: ``None``/``"sqlite"`` (``run_dir/search.db``; in memory without a run_dir),
-    ``"journal"`` (``run_dir/search.journal``) or an optuna RDB URL that several workers share.
+    ``storage``: ``None``/``"sqlite"`` (``run_dir/search.db``; in memory without a run_dir) or
+    ``"journal"`` (``run_dir/search.journal``).
     """
     import optuna
 
     store: Any = storage
-    shared = isinstance(storage, str) and "://" in storage
     if storage in (None, "sqlite", "journal") and run_dir is None:
         if storage is not None:
             raise ConfigError(f'RandomSearch storage="{storage}" needs a run_dir',
@@ -46,29 +44,19 @@ def open_study(storage: str | None, study_name: str, pruner: Any, run_dir: Path 
         # A process killed while it holds the lock leaves the lock file: break it after 3 s, not 30.
         lock = JournalFileOpenLock(path, grace_period=3)
         store = optuna.storages.JournalStorage(JournalFileBackend(path, lock_obj=lock))
-    elif storage in (None, "sqlite"):
+    else:
         check_sqlite(Path(run_dir or ".") / "search.db")  # a damaged file is refused by name, not as a raw error
         store = f"sqlite:///{Path(run_dir or '.') / 'search.db'}"
-    else:
-        # Heartbeats let a shared study notice a worker that died and fail its trial.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            store = optuna.storages.RDBStorage(storage, heartbeat_interval=60, grace_period=180)
     study = optuna.create_study(storage=store, study_name=study_name, direction="maximize",
                                 pruner=pruner, load_if_exists=True)
-    if not shared and run_dir is not None and not resume and study.get_trials(deepcopy=False):
+    if run_dir is not None and not resume and study.get_trials(deepcopy=False):
         # A leftover study from an earlier, not resumed, run in the same folder: start afresh.
         optuna.delete_study(study_name=study_name, storage=store)
         study = optuna.create_study(storage=store, study_name=study_name, direction="maximize", pruner=pruner)
-    if shared:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "experimental", "heartbeat meant for Study.optimize"
-            optuna.storages.fail_stale_trials(study)
-    else:
-        # Trials left RUNNING belong to a process that was killed (we are the only worker).
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            study.tell(t.number, state=optuna.trial.TrialState.FAIL)
-    return study, shared
+    # Trials left RUNNING belong to a process that was killed (we are the only worker).
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+    return study
 
 
 def candidate_sampler(kind: str, seed: int, number: int, n_candidates: int) -> Any:
@@ -107,27 +95,24 @@ def finished_count(study: Any) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False) if t.state in (TrialState.COMPLETE, TrialState.PRUNED))
 
 
-def next_wave(study: Any, n: int, width: int, *, skip_running: bool, start: int = 0) -> list[tuple[int, Any]]:
+def next_wave(study: Any, n: int, width: int, *, start: int = 0) -> list[tuple[int, Any]]:
     """The candidates of the first wave (numbers ``[start + k*width, start + (k+1)*width)`` below ``n``)
     with unfinished members,
-    each with the latest trial a kill or budget stop cut short (or ``None``). A shared study skips
-    candidates that another worker is running."""
+    each with the latest trial a kill or budget stop cut short (or ``None``)."""
     from optuna.trial import TrialState
 
-    finished, cut, running = set(), {}, set()
+    finished, cut = set(), {}
     for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
         number = t.user_attrs.get("candidate")
         if number is None:
             continue
         if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
             finished.add(number)
-        elif t.state == TrialState.RUNNING:
-            running.add(number)
         elif t.state == TrialState.FAIL:
             cut[number] = t
     for first in range(start, n, max(1, width)):
         members = [k for k in range(first, min(n, first + width))
-                   if k not in finished and not (skip_running and k in running)]
+                   if k not in finished]
         if members:
             return [(k, cut.get(k)) for k in members]
     return []
