@@ -26,26 +26,30 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
+from flowopt.settings import at_least, check_stage, one_of
 
 AUTO = ("light", "medium", "heavy")
 
 
-def _check_auto(owner: str, auto: str | None, none_ok: bool) -> None:
-    if auto is None and none_ok:
-        return
-    if auto not in AUTO:
-        raise ConfigError(f"{owner} auto must be one of {AUTO}{' or None' if none_ok else ''}, got {auto!r}",
-                          fix='pass auto="light"')
-
-
-def _check_count(owner: str, name: str, value: Any, minimum: int) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-        raise ConfigError(f"{owner} {name} must be an int >= {minimum} or None, got {value!r}",
-                          fix=f"pass {name}={max(minimum, 4)}")
-
-
 def _calls(ctx: StageContext) -> int:
     return ctx.budget.snapshot().lm_calls
+
+
+def _task_lm(program: dspy.Module) -> Any:
+    """The configured LM, else the first LM the program's own predictors or nodes use.
+
+    DSPy's optimizers look for ``dspy.settings.lm``; a program whose LMs are bound to its predictors
+    (or to a Workflow's nodes) runs without one, so the stage hands them the program's own LM.
+    """
+    if dspy.settings.lm is not None:
+        return dspy.settings.lm
+    from flowopt.optimizers.weights.student import program_lms
+
+    lms = program_lms(program)
+    if not lms:
+        raise ConfigError("the program has no LM for DSPy's optimizer to use",
+                          fix="configure dspy with dspy.configure(lm=...) or bind an LM to the program")
+    return lms[0]
 
 
 @dataclass(frozen=True)
@@ -74,10 +78,9 @@ class MIPROStage(Stage):
     prompt_model: Any = None
 
     def __post_init__(self) -> None:
-        _check_auto("MIPROStage", self.auto, none_ok=True)
-        for name, minimum in (("num_trials", 1), ("num_candidates", 1), ("max_bootstrapped_demos", 0),
-                              ("max_labeled_demos", 0), ("minibatch_size", 1)):
-            _check_count("MIPROStage", name, getattr(self, name), minimum)
+        check_stage(self, {"auto": one_of(*AUTO), "num_trials": at_least(1), "num_candidates": at_least(1),
+                           "max_bootstrapped_demos": at_least(0), "max_labeled_demos": at_least(0),
+                           "minibatch_size": at_least(1)})
         if self.auto is None and self.num_trials is None:
             raise ConfigError("MIPROStage needs auto or num_trials", fix='pass auto="light" or num_trials=10')
 
@@ -85,7 +88,9 @@ class MIPROStage(Stage):
         candidates = self.num_candidates
         if candidates is None and self.auto is None:
             candidates = max(2, (self.num_trials or 4) // 2)
-        optimizer = dspy.MIPROv2(metric=ctx.metric, prompt_model=self.prompt_model, auto=self.auto,
+        task_lm = _task_lm(program)
+        optimizer = dspy.MIPROv2(metric=ctx.metric, prompt_model=self.prompt_model or task_lm, task_model=task_lm,
+                                 auto=self.auto,
                                  num_candidates=candidates,
                                  max_bootstrapped_demos=self.max_bootstrapped_demos,
                                  max_labeled_demos=self.max_labeled_demos, num_threads=ctx.num_threads,
@@ -93,7 +98,7 @@ class MIPROStage(Stage):
         before = _calls(ctx)
         try:
             ctx.budget.check()
-            with ctx.budget.guard():
+            with ctx.budget.guard(), dspy.context(lm=task_lm):
                 out = optimizer.compile(program, trainset=ctx.trainset, valset=ctx.valset, num_trials=self.num_trials,
                                         minibatch=len(ctx.valset) > self.minibatch_size,
                                         minibatch_size=self.minibatch_size, seed=ctx.seed)
@@ -132,9 +137,8 @@ class GEPAStage(Stage):
     use_merge: bool = True
 
     def __post_init__(self) -> None:
-        _check_auto("GEPAStage", self.auto, none_ok=True)
-        for name in ("max_full_evals", "max_metric_calls", "reflection_minibatch_size"):
-            _check_count("GEPAStage", name, getattr(self, name), 1)
+        check_stage(self, {"auto": one_of(*AUTO), "max_full_evals": at_least(1), "max_metric_calls": at_least(1),
+                           "reflection_minibatch_size": at_least(1)})
         given = [n for n in ("auto", "max_full_evals", "max_metric_calls") if getattr(self, n) is not None]
         if len(given) > 1:
             raise ConfigError(f"GEPAStage takes one of auto, max_full_evals, max_metric_calls; got {given}",
@@ -160,9 +164,8 @@ class GEPAStage(Stage):
         def feedback(gold: Any, pred: Any, trace: Any = None, pred_name: Any = None, pred_trace: Any = None) -> float:
             return float(metric(gold, pred, trace))
 
-        reflection = self.reflection_lm or dspy.settings.lm
-        if reflection is None:
-            raise ConfigError("GEPAStage needs a reflection LM", fix="configure dspy with an LM or pass reflection_lm")
+        task_lm = _task_lm(program)
+        reflection = self.reflection_lm or task_lm
         limits = self._limits(ctx)
         log_dir = str(ctx.run_dir / "gepa") if ctx.run_dir is not None else None
         optimizer = dspy.GEPA(metric=feedback, reflection_lm=reflection, num_threads=ctx.num_threads,
@@ -171,7 +174,7 @@ class GEPAStage(Stage):
         before = _calls(ctx)
         try:
             ctx.budget.check()
-            with ctx.budget.guard():
+            with ctx.budget.guard(), dspy.context(lm=task_lm):
                 out = optimizer.compile(program, trainset=ctx.trainset, valset=ctx.valset)
         except BudgetExhausted as err:
             ctx.record(stop_reason=f"budget: {err.limit}", dspy_lm_calls=_calls(ctx) - before, gepa_limits=limits)
