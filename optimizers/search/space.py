@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextvars
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import dspy
 
@@ -21,6 +21,16 @@ from flowopt.optimizers.search.instructions import instruction_candidates
 
 if TYPE_CHECKING:
     from flowopt.optimizers.search.stage import RandomSearch
+
+
+class CandidateSource(Protocol):
+    """What picking a winner needs of the candidates: their pools, instructions and programs
+    (a :class:`SearchSpace`, or a shared study's stored definitions)."""
+
+    pools: Any
+    instructions: Any
+
+    def apply(self, program: dspy.Module, trial: Any) -> dspy.Module: ...
 
 
 class SearchSpace:

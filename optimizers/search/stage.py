@@ -49,7 +49,7 @@ from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.optimizers.search.pruning import PRUNE_RULES, first_rung, rungs, to_prune, worse_than
 from flowopt.optimizers.search.shared import run_shared
 from flowopt.optimizers.search.shared_storage import exclusive_run_dir, is_shared
-from flowopt.optimizers.search.space import SearchSpace
+from flowopt.optimizers.search.space import CandidateSource, SearchSpace
 from flowopt.optimizers.search.study import (
     INTERRUPTED,
     STUDY_NAME,
@@ -302,7 +302,7 @@ class RandomSearch(Stage):
             stop_running(study, [trial for trial, _ in alive], "budget")
             raise
 
-    def _finalists(self, complete: list[Any], space: SearchSpace, program: dspy.Module,
+    def _finalists(self, complete: list[Any], space: CandidateSource, program: dspy.Module,
                    ctx: StageContext) -> list[dict[str, Any]]:
         """Re-score the fully scored candidates the valset cannot tell from the leader on training
         examples that are demos of none of them; pick by valset + fresh mean."""
@@ -329,7 +329,7 @@ class RandomSearch(Stage):
                          "combined": round(_mean([*val, *extra]), 6), "trial": trial})
         return rows
 
-    def _best(self, study: Any, space: SearchSpace, program: dspy.Module, ctx: StageContext,
+    def _best(self, study: Any, space: CandidateSource, program: dspy.Module, ctx: StageContext,
               stop_reason: str, ends: list[int], n_val: int) -> dspy.Module:
         from optuna.trial import TrialState
 
