@@ -14,6 +14,7 @@ Both hand each caller its own result or the batch's exception (:func:`_deliver`)
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -134,8 +135,7 @@ class DynamicBatcher(Generic[T, R]):
                     job.future.set_exception(RuntimeError(f"{self._name} closed before serving the request"))
                 return
             self.batch_sizes.append(len(batch))
-            group = batch[0].group
-            _deliver(lambda items, group=group: self._run_batch(group, items), batch)
+            _deliver(functools.partial(self._run_batch, batch[0].group), batch)
 
     def __repr__(self) -> str:
         return f"DynamicBatcher(max_batch_size={self.max_batch_size}, wait_ms={self.wait_s * 1000:g})"

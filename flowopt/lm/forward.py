@@ -9,7 +9,6 @@ soft-cap (Gemma 2) is applied as the model's own head applies it.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -74,8 +73,7 @@ def halves(model: Any) -> Halves:
     return Halves(decoder, head, float(softcap) if softcap else None, _cache_arg(type(decoder)))
 
 
-@functools.lru_cache(maxsize=64)
-def _cache_arg(cls: type) -> str:
+def _cache_arg(cls: Any) -> str:
     try:
         return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
     except (TypeError, ValueError):

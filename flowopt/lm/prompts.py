@@ -60,10 +60,10 @@ class PromptRendering:
         """
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        items = list(prompt)
+        items: list[Any] = list(prompt)
         if all(isinstance(t, int) for t in items):
             return [int(t) for t in items]
-        key = tuple((str(m.get("role", "user")), str(m.get("content") or "")) for m in items)  # type: ignore[union-attr]
+        key = tuple((str(m.get("role", "user")), str(m.get("content") or "")) for m in items)
         return list(self._render_messages(key))
 
     def _tokenize_messages(self, messages: tuple[tuple[str, str], ...]) -> tuple[int, ...]:

@@ -199,7 +199,7 @@ def sample(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], rows: S
             token[live] = picked
             token = torch.where(done, torch.full_like(token, pad), token)
             tokens.append(token)
-            if logprobs is not None:
+            if want_logprobs and logprobs is not None:
                 token_logp = torch.zeros(n, dtype=logprobs.dtype, device=device)
                 token_logp[live] = logprobs.gather(1, picked.unsqueeze(1)).squeeze(1)
                 logps.append(token_logp)

@@ -61,7 +61,7 @@ class Policy:
     of an earlier stage's, so GRPO continues from BootstrapFinetune while the earlier adapter stays
     as it was), selects it for the training forward and makes it the only trainable parameters. It is
     not made the LocalLM's default: programs that call ``local.lm`` (the caller's input program) keep
-    their weights; the trained program is pinned to the adapter instead (:mod:`.pinned`).
+    their weights; the trained program is pinned to the adapter instead (:mod:`flowopt.lm.pinned`).
 
     Example:
         >>> from flowopt.lm import LocalLM

@@ -1,7 +1,7 @@
 """Find the student model of a program, and bind a trained adapter to a program.
 
 After a weights stage every predictor of the program runs on the student ``LocalLM`` with the trained
-adapter, through an :class:`~flowopt.optimizers.weights.pinned.AdapterLM` bound to that adapter. For a
+adapter, through an :class:`~flowopt.lm.pinned.AdapterLM` bound to that adapter. For a
 :class:`flowopt.Workflow` that is written in the IR: ``lms["student"]`` (the LocalLM's spec, which
 names the adapter folder), every node's ``lm`` set to ``"student"``, and
 ``weights["student"] = {"base", "adapter", "sha256"}`` with the adapter path relative to the compile
@@ -49,7 +49,7 @@ def find_local(program: dspy.Module) -> tuple[Any, str | None]:
 def attach(program: dspy.Module, local: Any, adapter: str, *, adapter_dir: Path, sha256: str,
            run_root: Path | None) -> dspy.Module:
     """Make every predictor of ``program`` (changed in place and returned) use ``local`` with ``adapter``."""
-    from flowopt.optimizers.weights.pinned import AdapterLM
+    from flowopt.lm.pinned import AdapterLM
     from flowopt.workflow import Workflow
 
     lm = AdapterLM(local, adapter, path=adapter_dir, sha256=sha256)

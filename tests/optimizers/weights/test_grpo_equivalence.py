@@ -76,7 +76,7 @@ def test_seeded_grpo_steps_repeat_the_recorded_rewards_and_adapter(make_tiny_loc
     if record:
         data = json.loads(REFERENCE.read_text()) if REFERENCE.is_file() else {}
         data.setdefault(record, {})[config] = got
-        REFERENCE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        REFERENCE.write_text(json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n")
     references = json.loads(REFERENCE.read_text())
     want = references["forward-old"][config]
     assert got["rewards"] == want["rewards"]

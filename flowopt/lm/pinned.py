@@ -1,11 +1,11 @@
 """A ``dspy.LM`` bound to one LoRA adapter of a ``LocalLM``, whatever adapter is active model-wide.
 
-A LocalLM has one active adapter for the whole model. After BootstrapFinetune, GRPO attaches and
-trains its own adapter on the same LocalLM; if the compiler then keeps the fine-tuned program (GRPO
-did not beat it), that program must still run, and be saved, with the fine-tuned adapter. So each
-weights stage hands its program an :class:`AdapterLM`: its calls run with its adapter (LocalLM batches
-calls per adapter state, so they never mix with others), its cache key names the adapter's weights,
-and its workflow-IR entry names the adapter's folder.
+Several adapters live on one LocalLM: after BootstrapFinetune, GRPO attaches and trains its own on
+the same LocalLM, while the caller's program keeps using the LocalLM's default weights; if the
+compiler then keeps the fine-tuned program (GRPO did not beat it), that program must still run, and be
+saved, with the fine-tuned adapter. So each weights stage hands its program an :class:`AdapterLM`: its
+calls run with its adapter (LocalLM batches calls per adapter state, so they never mix with others),
+its cache key names the adapter's weights, and its workflow-IR entry names the adapter's folder.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class AdapterLM(dspy.LM):
                               fix="save it with save_pretrained(folder) and train LocalLM(folder)")
         try:
             spec = dict(local.to_spec())
-        except ConfigError:  # another adapter, still in training, is active: describe the base alone
+        except ConfigError:  # the default adapter exists only in memory: describe the base alone
             spec = {"model": f"local/{local.name}", "source": local.source, "chat": local.chat,
                     "max_new_tokens": local.max_new_tokens, "temperature": local.temperature}
         spec["adapter"] = self.adapter_path
