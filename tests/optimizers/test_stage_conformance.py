@@ -139,13 +139,10 @@ def _local_recipe(name: str, settings: dict[str, Any]) -> Recipe:
 
 RECIPES: dict[str, Callable[[str, dict[str, Any]], Recipe]] = {"finetune": _local_recipe, "grpo": _local_recipe}
 
-# A defect the suite found, kept visible until it is fixed (a strict xfail turns red once it passes).
-KNOWN_DEFECTS: dict[tuple[str, str], str] = {
-    ("finetune", "input_unchanged"): "the weights stages switch the shared LocalLM to the new adapter, which changes "
-                                     "what the caller's input program answers (needs a LocalLM base mode, issue 15)",
-    ("grpo", "input_unchanged"): "the weights stages switch the shared LocalLM to the new adapter, which changes "
-                                 "what the caller's input program answers (needs a LocalLM base mode, issue 15)",
-}
+# Defects the suite finds are kept visible here until fixed (a strict xfail turns red once it passes).
+# The weights stages used to switch the shared LocalLM to their new adapter, changing what the caller's
+# input program answered; LocalLM's base mode fixed it (issue 15).
+KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 
 
 def recipe(name: str) -> Recipe:
