@@ -60,7 +60,7 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -505,7 +505,7 @@ def load_split(
     if limit is not None and limit < 0:
         raise ConfigError(f"limit must be >= 0, got {limit}", fix="pass limit=None for the whole split")
     records = _split_records(proto, split)
-    indices = range(len(records))
+    indices: Sequence[int] = range(len(records))
     if limit is not None and limit < len(records):
         if seed is None:
             indices = range(limit)
