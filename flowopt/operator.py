@@ -87,8 +87,9 @@ class Operator(dspy.Module):
         built: dict[str, Any] = self.__dict__.get("_built_signatures", {})
         predictors = self.named_predictors()
         unchanged = bool(built) and all(built.get(name) is p.signature for name, p in predictors)
-        fresh = {} if unchanged else _fresh_signature_states(type(self), self.spec, json.dumps(self.config(),
-                                                                                              sort_keys=True))
+        # A class is hashable; mypy reads dspy.Module's instance-level __hash__ and thinks otherwise.
+        fresh = {} if unchanged else _fresh_signature_states(type(self), self.spec,  # type: ignore[arg-type]
+                                                             json.dumps(self.config(), sort_keys=True))
         state: dict[str, dict[str, Any]] = {}
         for name, predictor in predictors:
             entry: dict[str, Any] = {"demos": [_demo_to_json(d, name) for d in predictor.demos]}

@@ -102,7 +102,7 @@ def load_pretrained(path: Path, device: str | None, dtype: Any) -> tuple[Any, An
     resolved_dtype = pick_dtype(resolved_device, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolved_dtype, local_files_only=True)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolved_dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise LMError(f"could not load the model at {path}: {exc}",
                       fix="check that the folder holds config.json, weights and a tokenizer") from exc

@@ -27,8 +27,11 @@ class CandidateSource(Protocol):
     """What picking a winner needs of the candidates: their pools, instructions and programs
     (a :class:`SearchSpace`, or a shared study's stored definitions)."""
 
-    pools: Any
-    instructions: Any
+    @property
+    def pools(self) -> Any: ...
+
+    @property
+    def instructions(self) -> Any: ...
 
     def apply(self, program: dspy.Module, trial: Any) -> dspy.Module: ...
 
