@@ -34,14 +34,18 @@ within sampling error (the "validation" table). The search space (every workflow
 the edits' own IR transforms (each new state validated once by ``Workflow.from_dict``), which gives the
 optimum and shows that exactly one workflow reaches it.
 
-Each method starts from ``Predict`` for each seed and runs until it scores the optimal workflow or
-spends ``--max-evals`` evaluations (then it counts as ``--max-evals``, censored). All methods share one
-evaluation function; each run counts an evaluation the first time it scores a distinct workflow
-(canonical JSON); cache hits are free for every method. Speed-only memos, which change no count:
-scores and the edits' results (a pure function of workflow and edit) are memoised across runs.
+Families (``--families``; the others are defined in ``structure_families.py``): ``needle`` (this task,
+optimum found by enumerating the space), ``cost`` (this task ranked by accuracy minus 0.01 x LM calls
+per question, ``objective="penalised"``), ``additive`` (a 6-node chain, optimum 5 edits deep),
+``deceptive`` (two edits that help only together) and ``noisy`` (each measurement on 30 examples; the
+search re-measures its leaders). For every family and seed, the search (``MCTS`` with the stage's
+defaults), a random walk and hill climbing with restarts run side by side from the same start, with
+the same proposer and evaluation function. An evaluation is an evaluator call. Speed-only memo, which
+changes no count: an edit's result (a pure function of workflow and edit) is shared across runs.
 
-Run: python benchmarks/perf/structure_search_sim.py [--seeds 20] [--max-evals 400]
-Writes benchmarks/results/structure_search_sim.{json,md}. Goal (issue 5): MCTS median <= 0.5x random's.
+Run: python benchmarks/perf/structure_search_sim.py [--seeds 20] [--families ...] [--methods ...]
+[--method-seeds random_walk=5] [--name NAME]; ``--merge a.json b.json --name NAME`` combines runs made in
+separate processes. Writes benchmarks/results/NAME.{json,md}.
 """
 
 from __future__ import annotations
@@ -497,6 +501,8 @@ def summarise(family: Family, rows: list[dict[str, Any]]) -> dict[str, Any]:
     cap = family.max_evals
     for method in METHODS:
         mine = [r for r in rows if r["method"] == method]
+        if not mine:
+            continue
         # A run that never scored the optimum counts as cap + 1 evaluations (censored).
         evals = [r["evals_to_optimum"] if r["evals_to_optimum"] is not None else cap + 1 for r in mine]
         out[method] = {"runs": len(mine), "scored_optimum": sum(r["evals_to_optimum"] is not None for r in mine),
@@ -510,9 +516,10 @@ def summarise(family: Family, rows: list[dict[str, Any]]) -> dict[str, Any]:
             out[method]["median_measured_minus_true"] = round(statistics.median(gaps), 4)
         if family.lm_calls is not None:
             out[method]["median_lm_calls"] = statistics.median(r["returned_lm_calls"] for r in mine)
-    search, walk, climb = (out[m]["median_evals_to_optimum"] for m in METHODS)
-    out["search_over_random_walk"] = round(search / walk, 3)
-    out["search_over_hill_climb"] = round(search / climb, 3)
+    if all(m in out for m in METHODS):
+        search, walk, climb = (out[m]["median_evals_to_optimum"] for m in METHODS)
+        out["search_over_random_walk"] = round(search / walk, 3)
+        out["search_over_hill_climb"] = round(search / climb, 3)
     return out
 
 
@@ -523,11 +530,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--validate-examples", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="structure_search_sim", help="results file name (without suffix)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--method-seeds", nargs="*", default=[], metavar="METHOD=N",
+                        help="fewer seeds for a slow baseline, e.g. random_walk=5 (the first N seeds)")
+    parser.add_argument("--merge", nargs="*", type=Path, default=None,
+                        help="combine the runs of these results files (same families) into --name")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("flowopt", "dspy", "LiteLLM", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
+    if args.merge:
+        return merge(args.merge, args.out, args.name)
+    method_seeds = {m: int(n) for m, n in (item.split("=") for item in args.method_seeds)}
     t0 = time.perf_counter()
     load_before = os.getloadavg()
     families: dict[str, Any] = {}
@@ -558,8 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             target = family.optimum
             info = {"optimum": target}
         rows = []
-        for method in METHODS:
-            for seed in range(args.seeds):
+        for method in args.methods:
+            for seed in range(method_seeds.get(method, args.seeds)):
                 row = run_method(method, seed, family, target)
                 logger.info("%s %s", name, row)
                 rows.append(row)
@@ -578,6 +593,25 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out / f"{args.name}.json", data)
     atomic_write_text(args.out / f"{args.name}.md", _markdown(data))
+    return 0
+
+
+def merge(paths: list[Path], out: Path, name: str) -> int:
+    """One results file from runs split across processes (e.g. one per family and method)."""
+    parts = [json.loads(p.read_text(encoding="utf-8")) for p in paths]
+    data = {**parts[0], "command": " ; ".join(p["command"] for p in parts),
+            "load_average_before": max(p["load_average_before"] for p in parts),
+            "load_average_after": max(p["load_average_after"] for p in parts),
+            "wall_s": max(p["wall_s"] for p in parts), "space": next((p["space"] for p in parts if p["space"]), {}),
+            "families": {}}
+    for part in parts:
+        for fam_name, fam in part["families"].items():
+            merged = data["families"].setdefault(fam_name, {**fam, "runs": []})
+            merged["runs"] += fam["runs"]
+    for fam_name, fam in data["families"].items():
+        fam["summary"] = summarise(ALL_FAMILIES[fam_name](), fam["runs"])
+    atomic_write_json(out / f"{name}.json", data)
+    atomic_write_text(out / f"{name}.md", _markdown(data))
     return 0
 
 
