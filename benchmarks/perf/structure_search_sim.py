@@ -309,10 +309,11 @@ class FamilyEvaluator:
 
 def search_settings(family: Family) -> SearchSettings:
     """The search as a user would run it on this family: defaults, the family's budget, and on noise
-    a final re-measurement of the leaders (successive halving of 10, 3 measurements a round)."""
+    leaders measured three times before they are expanded, and a final re-measurement of the leaders
+    (successive halving of 10, 3 measurements a round)."""
     extra: dict[str, Any] = {}
     if family.noise_examples is not None:
-        extra.update(final_top=10, final_repeats=3)
+        extra.update(final_top=10, final_repeats=3, confirm=3)
     if family.cost_weight:
         extra.update(objective="penalised", cost_weight=family.cost_weight)
     return SearchSettings(max_rounds=10 * family.max_evals, max_evaluations=family.max_evals,
@@ -625,7 +626,8 @@ def _markdown(data: dict[str, Any]) -> str:
         "",
         "Methods, side by side on every family and seed, from the same start with the same rule proposer and "
         "one shared evaluation function: `search` = `MCTS` with the stage's defaults (best-first selection with "
-        "explore 0.2; on the noisy family a final re-measurement of the 10 leaders by successive halving; on "
+        "explore 0.2; on the noisy family `confirm=3` (a leader is measured 3 times before it is expanded) and a "
+        "final re-measurement of the 10 leaders by successive halving; on "
         "the cost family `objective=\"penalised\"`); `random_walk` = a uniformly random valid edit at each step; "
         "`hill_climb` = steepest ascent with random restarts. An evaluation is one evaluator call (the search's "
         "final re-measurements included). Deterministic families stop a run once the optimum is scored (the "

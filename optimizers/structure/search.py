@@ -115,6 +115,7 @@ class SearchSettings:
     final_repeats: int = 1
     objective: str = "score"
     cost_weight: float = 0.0
+    confirm: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_rounds, int) or self.max_rounds < 1:
@@ -130,6 +131,9 @@ class SearchSettings:
         if not isinstance(self.cost_weight, int | float) or self.cost_weight < 0:
             raise ConfigError(f"cost_weight must be a number >= 0, got {self.cost_weight!r}",
                               fix="pass cost_weight=0.01 (score lost per LM call per example)")
+        if not isinstance(self.confirm, int) or self.confirm < 1:
+            raise ConfigError(f"confirm must be an int >= 1, got {self.confirm!r}",
+                              fix="pass confirm=3 to measure a noisy leader three times before expanding it")
         for name in ("final_top", "final_repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "final_top" else 1):
@@ -275,8 +279,22 @@ class MCTS:
             return select_mixed(tree, rng, top_k=s.top_k, alpha=s.alpha, lambda_=s.lambda_)
         return select_best_first(tree, rng, explore=s.explore)
 
+    def _confirm(self, node: TreeNode, state: dict[str, Any]) -> bool:
+        """Under noise (per-example scores), measure a node again before expanding it until it has
+        ``confirm`` measurements: a leader that was only lucky falls back, a real one stays on top."""
+        if node.calls >= self.settings.confirm or node.n <= node.calls:
+            return False
+        self._measure(node, self._workflow(node), state)
+        state["history"].append(state["tree"].top_k_mean(self.settings.top_k))
+        state["log"].append({"round": state["round"], "event": "remeasure", "child": node.id, "score": node.score,
+                             "evaluations": state["evaluations"]})
+        self._save(state)
+        return True
+
     def _expand(self, node: TreeNode, state: dict[str, Any]) -> None:
         tree: SearchTree = state["tree"]
+        if self._confirm(node, state):
+            return
         context = ProposalContext(score=float(node.score), tried=[dict(t) for t in node.tried],  # type: ignore[arg-type]
                                   failures=state["failures"].get(node.key, []))
         try:

@@ -187,3 +187,20 @@ def test_compile_finds_the_optimum_of_an_additive_chain(tmp_path):
     assert ops == {"s1": "ChainOfThought", "s2": "ChainOfThought"}  # the optimum: right everywhere, 2 calls
     assert stage.info["remeasured"]["score"] == 1.0
     assert stage.info["best_cost"]["lm_calls"] == pytest.approx(2.0)
+
+
+def test_noisy_leaders_are_confirmed_before_they_are_expanded():
+    rng = random.Random(3)
+
+    def noisy(wf):
+        k = sum(rng.random() < 0.3 + 0.1 * len(wf.nodes) for _ in range(20))
+        return Evaluation(k / 20, scores=[1.0] * k + [0.0] * (20 - k))
+
+    settings = SearchSettings(max_rounds=100, max_evaluations=30, convergence_rounds=None, confirm=2)
+    result = MCTS(RuleProposer(Vocabulary(max_nodes=3)), noisy, settings, seed=0).run(single())
+    expanded = [n for n in result.tree.nodes if n.children]
+    assert expanded and all(n.calls >= 2 and n.n == 20 * n.calls for n in expanded)
+    assert any(e["event"] == "remeasure" for e in result.log)
+    # A deterministic evaluator (one number per call) is never re-measured: it would say the same again.
+    plain = MCTS(RuleProposer(Vocabulary(max_nodes=3)), lambda wf: 0.1 * len(wf.nodes), settings, seed=0).run(single())
+    assert all(n.calls == 1 for n in plain.tree.nodes)
