@@ -97,8 +97,8 @@ def hill_climb(program: Workflow, proposer: RuleProposer, evaluate: Callable[[Wo
         >>> from flowopt.modules import Predict
         >>> wf = Workflow("question -> answer").add("solve", Predict("question -> answer"))
         >>> climb = hill_climb(wf, RuleProposer(), lambda w: -len(w.nodes), max_evaluations=5)
-        >>> climb.best_score, climb.evaluations <= 5
-        (-1, True)
+        >>> climb.best_score, climb.evaluations
+        (-1.0, 5)
     """
     rng = random.Random(seed)
     score = _Scorer(evaluate)
@@ -128,6 +128,8 @@ def hill_climb(program: Workflow, proposer: RuleProposer, evaluate: Callable[[Wo
                 current = proposer.propose(current, ProposalContext(score=0.0), rng).workflow
             except NoProposal:
                 break
+        if len(score.trace) >= max_evaluations:
+            break
         current_score = score(current)
         n_restarts += 1
         if n_restarts > 10 * max_evaluations and len(score.trace) == seen:  # nothing new is reachable
