@@ -598,12 +598,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _from_log(path: Path) -> dict[str, Any]:
+    """The runs a process logged before it was stopped (one ``<family> {row}`` line per run)."""
+    import ast
+
+    families: dict[str, Any] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        head, _, rest = line.partition(" ")
+        if head in ALL_FAMILIES and rest.startswith("{'method'"):
+            family = ALL_FAMILIES[head]()
+            entry = families.setdefault(head, {"description": family.description, "max_evals": family.max_evals,
+                                               "optimum": family.optimum, "runs": []})
+            entry["runs"].append(ast.literal_eval(rest))
+    return {"command": f"(the runs logged in {path.name} by a process stopped before it finished)", "space": {},
+            "families": families, "load_average_before": [], "load_average_after": [round(x, 1) for x in os.getloadavg()],
+            "wall_s": 0.0, "python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
+            "seeds": None}
+
+
 def merge(paths: list[Path], out: Path, name: str) -> int:
     """One results file from runs split across processes (e.g. one per family and method)."""
-    parts = [json.loads(p.read_text(encoding="utf-8")) for p in paths]
+    parts = [json.loads(p.read_text(encoding="utf-8")) if p.suffix == ".json" else _from_log(p) for p in paths]
     data = {**parts[0], "command": " ; ".join(p["command"] for p in parts),
             "load_average_before": max(p["load_average_before"] for p in parts),
             "load_average_after": max(p["load_average_after"] for p in parts),
+            "parts": [str(p.name) for p in paths],
             "wall_s": max(p["wall_s"] for p in parts), "space": next((p["space"] for p in parts if p["space"]), {}),
             "families": {}}
     for part in parts:
@@ -650,14 +669,15 @@ def _markdown(data: dict[str, Any]) -> str:
                       "returned | median evaluations used |" + (" median LM calls |" if "median_lm_calls" in
                                                                    summ["search"] else ""),
                   "|---|---|---|---|---|---|" + ("---|" if "median_lm_calls" in summ["search"] else "")]
-        for method in METHODS:
+        for method in [m for m in METHODS if m in summ]:
             m = summ[method]
             lines.append(f"| {method} | {m['scored_optimum']}/{m['runs']} | {m['returned_optimum']}/{m['runs']} | "
                          f"{m['median_evals_to_optimum']} | {m['mean_returned_true']} | {m['median_evaluations']} |"
                          + (f" {m['median_lm_calls']} |" if "median_lm_calls" in m else ""))
-        lines += ["", f"search / random walk median: **{summ['search_over_random_walk']}**; search / hill climbing: "
-                      f"**{summ['search_over_hill_climb']}**."]
-        if name == "noisy":
+        if "search_over_random_walk" in summ:
+            lines += ["", f"search / random walk median evals to optimum: **{summ['search_over_random_walk']}**; "
+                          f"search / hill climbing: **{summ['search_over_hill_climb']}** (seeds per method above)."]
+        if name == "noisy" and "search" in summ:
             s = summ["search"]
             lines += [f"Returned workflow's true score inside its reported 95% interval (from the re-measurement "
                       f"on fresh samples): **{s['covered']}/{s['runs']}**; median re-measured minus true "
