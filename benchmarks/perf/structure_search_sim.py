@@ -34,14 +34,18 @@ within sampling error (the "validation" table). The search space (every workflow
 the edits' own IR transforms (each new state validated once by ``Workflow.from_dict``), which gives the
 optimum and shows that exactly one workflow reaches it.
 
-Each method starts from ``Predict`` for each seed and runs until it scores the optimal workflow or
-spends ``--max-evals`` evaluations (then it counts as ``--max-evals``, censored). All methods share one
-evaluation function; each run counts an evaluation the first time it scores a distinct workflow
-(canonical JSON); cache hits are free for every method. Speed-only memos, which change no count:
-scores and the edits' results (a pure function of workflow and edit) are memoised across runs.
+Families (``--families``; the others are defined in ``structure_families.py``): ``needle`` (this task,
+optimum found by enumerating the space), ``cost`` (this task ranked by accuracy minus 0.01 x LM calls
+per question, ``objective="penalised"``), ``additive`` (a 6-node chain, optimum 5 edits deep),
+``deceptive`` (two edits that help only together) and ``noisy`` (each measurement on 30 examples; the
+search re-measures its leaders). For every family and seed, the search (``MCTS`` with the stage's
+defaults), a random walk and hill climbing with restarts run side by side from the same start, with
+the same proposer and evaluation function. An evaluation is an evaluator call. Speed-only memo, which
+changes no count: an edit's result (a pure function of workflow and edit) is shared across runs.
 
-Run: python benchmarks/perf/structure_search_sim.py [--seeds 20] [--max-evals 400]
-Writes benchmarks/results/structure_search_sim.{json,md}. Goal (issue 5): MCTS median <= 0.5x random's.
+Run: python benchmarks/perf/structure_search_sim.py [--seeds 20] [--families ...] [--methods ...]
+[--method-seeds random_walk=5] [--name NAME]; ``--merge a.json b.json --name NAME`` combines runs made in
+separate processes. Writes benchmarks/results/NAME.{json,md}.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import logging
 import math
 import os
 import platform
+import random
 import re
 import statistics
 import sys
@@ -61,6 +66,7 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +78,14 @@ from flowopt import Workflow
 from flowopt.errors import FlowoptError
 from flowopt.io import atomic_write_json, atomic_write_text
 from flowopt.modules import Predict
-from flowopt.optimizers.structure import MCTS, InvalidEdit, RuleProposer, SearchSettings, Vocabulary
+from flowopt.optimizers.structure import MCTS, Evaluation, InvalidEdit, RuleProposer, SearchSettings, Vocabulary
 from flowopt.optimizers.structure.baselines import hill_climb, random_walk
 from flowopt.optimizers.structure.edits import SELECT_INSTRUCTION, Edit
 from flowopt.optimizers.structure.tree import ir_key
 from flowopt.testing import ScriptedEngine, ScriptedRequest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from structure_families import FAMILIES, Family
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 logger = logging.getLogger("structure_search_sim")
@@ -90,7 +99,7 @@ MAX_NODES = 5
 VOCABULARY = Vocabulary(kinds=("swap_operator", "wrap_ensemble", "add_refine", "add_programmer", "remove_node",
                                "set_config"), ensemble_sizes=(3, 5, 7, 9), refine_rounds=(1, 2, 3, 4),
                         max_nodes=MAX_NODES)
-METHODS = ("mcts", "random_walk", "random_tree", "hill_climb")
+METHODS = ("search", "random_walk", "hill_climb")
 
 
 # ------------------------------------------------------------------------------------ the model
@@ -217,23 +226,10 @@ def enumerate_space(vocabulary: Vocabulary) -> dict[str, dict[str, Any]]:
 
 
 # ------------------------------------------------------------------- shared evaluator and memos
-class ModelEvaluator:
-    """The evaluation function every method uses: expected accuracy, memoised by canonical JSON."""
-
-    def __init__(self) -> None:
-        self.scores: dict[str, float] = {}
-
-    def __call__(self, workflow: Workflow) -> float:
-        ir = _ir_of(workflow)
-        key = ir_key(ir)
-        if key not in self.scores:
-            self.scores[key] = expected_accuracy(ir)
-        return self.scores[key]
-
-
 _IR_MEMO: dict[int, tuple[Workflow, dict[str, Any]]] = {}
-_APPLY_MEMO: dict[tuple[str, str], Workflow | InvalidEdit] = {}
+_APPLY_MEMO: dict[tuple[str, str, int], Workflow | InvalidEdit] = {}
 _INTERNED: dict[str, Workflow] = {}
+_TRUE: dict[tuple[str, str], float] = {}
 
 
 def _ir_of(workflow: Workflow) -> dict[str, Any]:
@@ -244,13 +240,12 @@ def _ir_of(workflow: Workflow) -> dict[str, Any]:
 
 
 class MemoVocabulary(Vocabulary):
-    """``Vocabulary`` whose ``check`` (apply an edit) is memoised: a speed-only cache, as the result is a
-    pure function of the workflow and the edit. Workflows are interned by canonical JSON and their IR
-    kept, so ``to_dict``/``canonical_json`` on them are answered from the memo (see :func:`install_memos`)."""
+    """``Vocabulary`` whose ``check`` (apply an edit) is memoised across runs: a speed-only cache, as the
+    result is a pure function of the workflow and the edit. Workflows are interned by canonical JSON."""
 
     def check(self, edit: Edit, workflow: Workflow, *, ir: dict[str, Any] | None = None) -> Workflow:
         source = _ir_of(workflow)
-        memo_key = (ir_key(source), json.dumps(edit.to_dict(), sort_keys=True))
+        memo_key = (ir_key(source), json.dumps(edit.to_dict(), sort_keys=True), self.max_nodes)
         if memo_key not in _APPLY_MEMO:
             try:
                 new = super().check(edit, workflow, ir=source)
@@ -272,49 +267,100 @@ def intern(workflow: Workflow) -> Workflow:
     return _INTERNED[key]
 
 
-def install_memos() -> None:
-    """Answer ``to_dict``/``canonical_json`` of interned (never mutated) workflows from the memo, and
-    run each distinct generated program once in the sandbox (the fake LM's code is ``print(<n>)``)."""
-    import functools
+class FamilyEvaluator:
+    """One run's evaluation function: the family's true score (and LM calls), or under noise a binomial
+    draw on ``noise_examples`` examples (per-example 0/1 scores, so the search can form intervals).
 
-    import flowopt.modules.programmer as programmer
+    It counts its calls and notes the call that first scored an optimal workflow (evaluations to the
+    optimum, the same count for every method). ``objective=True`` returns one number, the family's
+    objective (what the baselines rank by)."""
 
-    original_to_dict = Workflow.to_dict
+    def __init__(self, family: Family, seed: int, target: float, *, objective: bool = False) -> None:
+        self.family, self.target, self.objective = family, target, objective
+        self.rng = random.Random(1_000_003 * seed + 17)
+        self.calls = 0
+        self.first_optimal: int | None = None
 
-    def to_dict(self: Workflow) -> dict[str, Any]:
-        hit = _IR_MEMO.get(id(self))
-        return json.loads(json.dumps(hit[1])) if hit is not None and hit[0] is self else original_to_dict(self)
+    def true(self, ir: dict[str, Any]) -> float:
+        key = (self.family.name, ir_key(ir))
+        if key not in _TRUE:
+            _TRUE[key] = self.family.true_score(ir)
+        return _TRUE[key]
 
-    Workflow.to_dict = to_dict  # type: ignore[method-assign]
-    programmer.run_python = functools.lru_cache(maxsize=None)(programmer.run_python)
+    def __call__(self, workflow: Workflow) -> Evaluation | float:
+        ir = _ir_of(workflow)
+        self.calls += 1
+        p = self.true(ir)
+        cost = {"lm_calls": self.family.lm_calls(ir)} if self.family.lm_calls is not None else {}
+        value = p - self.family.cost_weight * cost.get("lm_calls", 0.0)
+        if value > self.target + 1e-9:
+            raise RuntimeError(f"{self.family.name}: a workflow scores {value} above the stated optimum "
+                               f"{self.target}: {describe_structure(ir)}")
+        if self.first_optimal is None and value >= self.target - 1e-9:
+            self.first_optimal = self.calls
+        if self.objective:
+            return value
+        n = self.family.noise_examples
+        if n is None:
+            return Evaluation(p, cost=cost)
+        k = sum(self.rng.random() < p for _ in range(n))
+        return Evaluation(k / n, scores=[1.0] * k + [0.0] * (n - k), cost=cost)
+
+
+def search_settings(family: Family) -> SearchSettings:
+    """The search as a user would run it on this family: defaults, the family's budget, and on noise
+    leaders measured three times before they are expanded, and a final re-measurement of the leaders
+    (successive halving of 10, 3 measurements a round)."""
+    extra: dict[str, Any] = {}
+    if family.noise_examples is not None:
+        extra.update(final_top=10, final_repeats=3, confirm=3)
+    if family.cost_weight:
+        extra.update(objective="penalised", cost_weight=family.cost_weight)
+    return SearchSettings(max_rounds=10 * family.max_evals, max_evaluations=family.max_evals,
+                          convergence_rounds=None, **extra)
 
 
 # --------------------------------------------------------------------------------- the methods
-def run_method(method: str, seed: int, evaluate: ModelEvaluator, target: float, cap: int) -> dict[str, Any]:
+def run_method(method: str, seed: int, family: Family, target: float) -> dict[str, Any]:
+    """One run; deterministic families stop once the optimum is scored (the best scored is returned, so
+    it is returned from then on), the noisy one spends its whole budget and returns its pick."""
     t0 = time.perf_counter()
-    start = intern(initial_workflow())
-    proposer = RuleProposer(MemoVocabulary(**{f: getattr(VOCABULARY, f) for f in VOCABULARY.__dataclass_fields__}))
-    if method in ("mcts", "random_tree"):
-        # random_tree: the same tree search with a uniformly random open node (lambda 1, no top-k cut).
-        extra = {} if method == "mcts" else {"lambda_": 1.0, "top_k": 10**9}
-        settings = SearchSettings(max_rounds=50 * cap, max_evaluations=cap, convergence_rounds=None, **extra)
-        reached: list[int] = []
-
-        def on_round(event: dict[str, Any]) -> None:
-            if event["event"] == "expand" and event["score"] >= target - 1e-12:
-                reached.append(event["evaluations"])
-
-        result = MCTS(proposer, evaluate, settings, seed=seed, on_round=on_round,
-                      should_stop=lambda: "target reached" if reached else None).run(start)
-        trace = [(n.evaluation, n.score) for n in result.tree.nodes]
-    elif method == "random_walk":
-        trace = random_walk(start, proposer, evaluate, seed=seed, max_evaluations=cap, target=target)
+    start = intern(family.start())
+    vocab = family.vocabulary
+    proposer = RuleProposer(MemoVocabulary(**{f: getattr(vocab, f) for f in vocab.__dataclass_fields__}))
+    noisy = family.noise_examples is not None
+    optimal = lambda ir: family.objective(ir) >= target - 1e-9  # noqa: E731
+    row: dict[str, Any] = {"method": method, "seed": seed}
+    if method == "search":
+        evaluate = FamilyEvaluator(family, seed, target)
+        search = MCTS(proposer, evaluate, search_settings(family), seed=seed,
+                      should_stop=None if noisy else (lambda: "optimum scored" if evaluate.first_optimal else None))
+        result = search.run(start)
+        best_ir = _ir_of(result.best)
+        node = result.tree.nodes[result.best_node]
+        low, high = result.best_interval
+        measured = result.remeasured["score"] if result.remeasured else float(node.score)  # type: ignore[arg-type]
+        true = family.true_score(best_ir)
+        row.update(evaluations=result.evaluations, interval=[round(low, 4), round(high, 4)],
+                   covered=low - 1e-9 <= true <= high + 1e-9, search_measured=round(float(node.score), 4))  # type: ignore[arg-type]
     else:
-        trace = hill_climb(start, proposer, evaluate, seed=seed, max_evaluations=cap, target=target)
-    n = next((i for i, s in trace if s >= target - 1e-12), None)
-    return {"method": method, "seed": seed, "evals_to_best": n if n is not None else cap, "reached": n is not None,
-            "evaluations": len(trace), "best": round(max(s for _, s in trace), 6),
-            "wall_s": round(time.perf_counter() - t0, 2)}
+        evaluate = FamilyEvaluator(family, seed, target, objective=not noisy)
+        run = random_walk if method == "random_walk" else hill_climb
+        found = run(start, proposer, lambda wf: _score_of(evaluate(wf)), seed=seed,
+                    max_evaluations=family.max_evals, target=None if noisy else target)
+        best_ir = _ir_of(found.best)
+        measured, true = found.best_score, family.true_score(best_ir)
+        row.update(evaluations=found.evaluations)
+    row.update(evals_to_optimum=evaluate.first_optimal, returned_optimal=optimal(best_ir),
+               returned_true=round(true, 4), returned_measured=round(measured, 4))
+    if family.lm_calls is not None:
+        row["returned_lm_calls"] = family.lm_calls(best_ir)
+    row["wall_s"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def _score_of(value: Evaluation | float) -> float:
+    return value.score if isinstance(value, Evaluation) else float(value)
 
 
 # ------------------------------------------------------------------ the fake LM, for validation
@@ -428,136 +474,215 @@ def validate(space: dict[str, dict[str, Any]], best_key: str, n_examples: int) -
 
 
 # ------------------------------------------------------------------------------------------ main
+def lm_calls(ir: dict[str, Any]) -> float:
+    """LM calls per question of a workflow of the simulated task (Refine: a review and a revision a round)."""
+    calls = {"Predict": 1, "ChainOfThought": 1, "Programmer": 1, "Custom": 1}
+    return float(sum(n["config"]["n"] if n["op"] == "ScEnsemble" else 2 * n["config"]["max_rounds"]
+                     if n["op"] == "Refine" else calls[n["op"]] for n in ir["nodes"]))
+
+
+def needle() -> Family:
+    return Family("needle", initial_workflow, VOCABULARY, expected_accuracy, max_evals=400,
+                  description="the simulated math task (expected accuracy of a fake LM), from Predict, at most "
+                              f"{MAX_NODES} nodes: one optimal structure, deep in the space")
+
+
+def cost() -> Family:
+    return Family("cost", initial_workflow, VOCABULARY, expected_accuracy, max_evals=400, lm_calls=lm_calls,
+                  cost_weight=COST_WEIGHT,
+                  description=f"the needle task ranked by accuracy - {COST_WEIGHT} x LM calls per question")
+
+
+ALL_FAMILIES: dict[str, Any] = {"needle": needle, "cost": cost, **FAMILIES}
+COST_WEIGHT = 0.01
+
+
+def summarise(family: Family, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    cap = family.max_evals
+    for method in METHODS:
+        mine = [r for r in rows if r["method"] == method]
+        if not mine:
+            continue
+        # A run that never scored the optimum counts as cap + 1 evaluations (censored).
+        # (A hill climb run before a fix could overshoot its budget by one evaluation: such a hit is a miss.)
+        evals = [min(r["evals_to_optimum"], cap + 1) if r["evals_to_optimum"] is not None else cap + 1 for r in mine]
+        out[method] = {"runs": len(mine), "scored_optimum": sum(e <= cap for e in evals),
+                       "returned_optimum": sum(r["returned_optimal"] for r in mine),
+                       "median_evals_to_optimum": statistics.median(evals),
+                       "mean_returned_true": round(statistics.mean(r["returned_true"] for r in mine), 4),
+                       "median_evaluations": statistics.median(r["evaluations"] for r in mine)}
+        if method == "search":
+            out[method]["covered"] = sum(r.get("covered", False) for r in mine)
+            gaps = [r["returned_measured"] - r["returned_true"] for r in mine]
+            out[method]["median_measured_minus_true"] = round(statistics.median(gaps), 4)
+        if family.lm_calls is not None:
+            out[method]["median_lm_calls"] = statistics.median(r["returned_lm_calls"] for r in mine)
+    if all(m in out for m in METHODS):
+        search, walk, climb = (out[m]["median_evals_to_optimum"] for m in METHODS)
+        out["search_over_random_walk"] = round(search / walk, 3)
+        out["search_over_hill_climb"] = round(search / climb, 3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
-    parser.add_argument("--max-evals", type=int, default=400)
-    parser.add_argument("--validate-examples", type=int, default=400)
+    parser.add_argument("--families", nargs="+", default=list(ALL_FAMILIES), choices=list(ALL_FAMILIES))
+    parser.add_argument("--validate-examples", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--name", default="structure_search_sim", help="results file name (without suffix)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--method-seeds", nargs="*", default=[], metavar="METHOD=N",
+                        help="fewer seeds for a slow baseline, e.g. random_walk=5 (the first N seeds)")
+    parser.add_argument("--merge", nargs="*", type=Path, default=None,
+                        help="combine the runs of these results files (same families) into --name")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("flowopt", "dspy", "LiteLLM", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
+    if args.merge:
+        return merge(args.merge, args.out, args.name)
+    method_seeds = {m: int(n) for m, n in (item.split("=") for item in args.method_seeds)}
     t0 = time.perf_counter()
-    space = enumerate_space(VOCABULARY)
-    scored = sorted(((expected_accuracy(v["ir"]), k) for k, v in space.items()), reverse=True)
-    target = scored[0][0]
-    optimal = [k for s, k in scored if s >= target - 1e-12]
-    best_key = min(optimal, key=lambda k: (space[k]["depth"], k))  # the one fewest edits away
-    optimal_structures = {structure_signature(space[k]["ir"]) for k in optimal}
-    runner_up = next(s for s, _ in scored if s < target - 1e-12)
-    best = space[best_key]
-    logger.info("optimum %.4f (%d workflow(s)), runner-up %.4f: %s via %s", target, len(optimal), runner_up,
-                describe_structure(best["ir"]), best["path"])
-    enum_s = time.perf_counter() - t0
-    validation = validate(space, best_key, args.validate_examples) if args.validate_examples else []
-
-    install_memos()
-    evaluate = ModelEvaluator()
-    runs = []
-    for method in METHODS:
-        for seed in range(args.seeds):
-            row = run_method(method, seed, evaluate, target, args.max_evals)
-            logger.info("%s", row)
-            runs.append(row)
-    summary = {}
-    for method in METHODS:
-        counts = [r["evals_to_best"] for r in runs if r["method"] == method]
-        summary[method] = {"median": statistics.median(counts), "mean": round(statistics.mean(counts), 1),
-                           "min": min(counts), "max": max(counts),
-                           "reached": sum(r["reached"] for r in runs if r["method"] == method), "runs": len(counts)}
-    ratio = summary["mcts"]["median"] / summary["random_walk"]["median"]
-    ratio_tree = summary["mcts"]["median"] / summary["random_tree"]["median"]
-    depth_hist = defaultdict(int)
-    for v in space.values():
-        depth_hist[v["depth"]] += 1
-    data = {"benchmark": "structure_search_sim", "command": "python benchmarks/perf/structure_search_sim.py "
+    load_before = os.getloadavg()
+    families: dict[str, Any] = {}
+    space_info: dict[str, Any] = {}
+    if {"needle", "cost"} & set(args.families):
+        space = enumerate_space(VOCABULARY)
+        depth_hist: dict[int, int] = defaultdict(int)
+        for v in space.values():
+            depth_hist[v["depth"]] += 1
+        space_info = {"size": len(space), "depth": max(depth_hist), "depth_histogram": dict(sorted(depth_hist.items())),
+                      "enumeration_s": round(time.perf_counter() - t0, 1)}
+    for name in args.families:
+        family = ALL_FAMILIES[name]()
+        if family.optimum is None:  # needle, cost: the optimum of the enumerated space
+            ranked = sorted(((family.objective(v["ir"]), k) for k, v in space.items()), reverse=True)
+            target = ranked[0][0]
+            optimal_keys = [k for val, k in ranked if val >= target - 1e-12]
+            best_key = min(optimal_keys, key=lambda k: (space[k]["depth"], k))
+            info = {"optimum": round(target, 6), "optimal_workflows": len(optimal_keys),
+                    "optimal_depth": space[best_key]["depth"],
+                    "optimal_structure": describe_structure(space[best_key]["ir"]),
+                    "optimal_path": space[best_key]["path"],
+                    "runner_up": round(next(val for val, _ in ranked if val < target - 1e-12), 6),
+                    "space_size": len(space)}
+            if name == "needle" and args.validate_examples:
+                info["validation"] = validate(space, best_key, args.validate_examples)
+        else:
+            target = family.optimum
+            info = {"optimum": target}
+        rows = []
+        for method in args.methods:
+            for seed in range(method_seeds.get(method, args.seeds)):
+                row = run_method(method, seed, family, target)
+                logger.info("%s %s", name, row)
+                rows.append(row)
+        families[name] = {"description": family.description, "max_evals": family.max_evals, **info,
+                          "settings": {k: v for k, v in asdict(search_settings(family)).items()},
+                          "summary": summarise(family, rows), "runs": rows}
+        logger.info("%s: %s", name, families[name]["summary"])
+    data = {"benchmark": "structure_search_sim",
+            "command": "python benchmarks/perf/structure_search_sim.py "
             + " ".join(argv if argv is not None else sys.argv[1:]),
-            "seeds": args.seeds, "max_evals": args.max_evals, "optimum": round(target, 6),
-            "optimal_workflows": len(optimal),
-            "optimal_structures": len(optimal_structures), "structures": len({structure_signature(v["ir"])
-                                                                              for v in space.values()}),
-            "runner_up": round(runner_up, 6),
-            "optimal_structure": describe_structure(best["ir"]), "optimal_path": best["path"],
-            "space_size": len(space), "space_depth": max(depth_hist), "max_nodes": MAX_NODES,
-            "vocabulary": {"ensemble_sizes": VOCABULARY.ensemble_sizes, "refine_rounds": VOCABULARY.refine_rounds,
-                           "kinds": VOCABULARY.kinds},
-            "model": {"p_answer": P_ANSWER, "p_code": P_CODE, "p_select_slip": P_SELECT_SLIP, "p_catch": P_CATCH,
-                      "p_fix": P_FIX, "p_fixable": P_FIXABLE, "p_false_alarm": P_FALSE_ALARM,
-                      "p_break": P_BREAK},
-            "top_scores": [{"score": round(s, 6), "structure": describe_structure(space[k]["ir"])}
-                           for s, k in scored[:5]],
-            "validation": validation, "validate_examples": args.validate_examples, "summary": summary,
-            "mcts_over_random_walk_median": round(ratio, 3), "mcts_over_random_tree_median": round(ratio_tree, 3),
-            "goal": "mcts median <= 0.5 x random (walk) median", "goal_met": ratio <= 0.5, "runs": runs,
+            "seeds": args.seeds, "space": space_info, "families": families,
             "python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
-            "enumeration_s": round(enum_s, 1), "wall_s": round(time.perf_counter() - t0, 1)}
+            "load_average_before": [round(x, 1) for x in load_before],
+            "load_average_after": [round(x, 1) for x in os.getloadavg()],
+            "wall_s": round(time.perf_counter() - t0, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out / "structure_search_sim.json", data)
-    atomic_write_text(args.out / "structure_search_sim.md", _markdown(data))
-    logger.info("MCTS/random-walk median ratio %.3f (goal <= 0.5): %s; MCTS/random-tree %.3f", ratio,
-                "met" if ratio <= 0.5 else "NOT met", ratio_tree)
+    atomic_write_json(args.out / f"{args.name}.json", data)
+    atomic_write_text(args.out / f"{args.name}.md", _markdown(data))
+    return 0
+
+
+def _from_log(path: Path) -> dict[str, Any]:
+    """The runs a process logged before it was stopped (one ``<family> {row}`` line per run)."""
+    import ast
+
+    families: dict[str, Any] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        head, _, rest = line.partition(" ")
+        if head in ALL_FAMILIES and rest.startswith("{'method'"):
+            family = ALL_FAMILIES[head]()
+            entry = families.setdefault(head, {"description": family.description, "max_evals": family.max_evals,
+                                               "optimum": family.optimum, "runs": []})
+            entry["runs"].append(ast.literal_eval(rest))
+    return {"command": f"(the runs logged in {path.name} by a process stopped before it finished)", "space": {},
+            "families": families, "load_average_before": [], "load_average_after": [round(x, 1) for x in os.getloadavg()],
+            "wall_s": 0.0, "python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
+            "seeds": None}
+
+
+def merge(paths: list[Path], out: Path, name: str) -> int:
+    """One results file from runs split across processes (e.g. one per family and method)."""
+    parts = [json.loads(p.read_text(encoding="utf-8")) if p.suffix == ".json" else _from_log(p) for p in paths]
+    data = {**parts[0], "command": " ; ".join(p["command"] for p in parts),
+            "load_average_before": max(p["load_average_before"] for p in parts),
+            "load_average_after": max(p["load_average_after"] for p in parts),
+            "parts": [str(p.name) for p in paths],
+            "wall_s": max(p["wall_s"] for p in parts), "space": next((p["space"] for p in parts if p["space"]), {}),
+            "families": {}}
+    for part in parts:
+        for fam_name, fam in part["families"].items():
+            merged = data["families"].setdefault(fam_name, {**fam, "runs": []})
+            merged["runs"] += fam["runs"]
+    for fam_name, fam in data["families"].items():
+        fam["summary"] = summarise(ALL_FAMILIES[fam_name](), fam["runs"])
+    atomic_write_json(out / f"{name}.json", data)
+    atomic_write_text(out / f"{name}.md", _markdown(data))
     return 0
 
 
 def _markdown(data: dict[str, Any]) -> str:
-    m = data["model"]
     lines = [
-        "# Structure search on a simulated task (issue 5)",
+        "# Structure search on simulated landscapes (issue 12)",
         "",
-        f"`{data['command'].strip()}` ({data['cpus']} CPUs, Python {data['python']} on {data['platform']}; "
-        f"total {data['wall_s']} s, of which {data['enumeration_s']} s enumerating the space)",
+        f"`{data['command'].strip()}` ({data['cpus']} CPUs shared with other jobs, load average "
+        f"{data['load_average_before']} before and {data['load_average_after']} after; Python {data['python']} "
+        f"on {data['platform']}; total {data['wall_s']} s). Counts, not times, are the result.",
         "",
-        "**Task and fake LM** (rules in the script's docstring): half arithmetic, half word problems. "
-        f"P(correct) Predict {m['p_answer']['Predict']}, ChainOfThought / one ensemble sample "
-        f"{m['p_answer']['ChainOfThought']}, Programmer {m['p_code']}; ScEnsemble(n) = majority of n samples; "
-        f"Programmer branch + selector (takes the program for arithmetic, slips with p={m['p_select_slip']}); "
-        f"Refine: reviewer catches a wrong attempt with p={m['p_catch']} (revision fixes it with p={m['p_fix']} "
-        f"if the question is fixable, p={m['p_fixable']} per question) "
-        f"and flags a correct one with p={m['p_false_alarm']} (revision breaks it with p={m['p_break']}). "
-        "A workflow's score is its exact expected accuracy under these rules (no 1/N ties).",
-        "",
-        f"**Space**: every workflow reachable from `Predict` with edits {list(data['vocabulary']['kinds'])}, "
-        f"ensembles n in {list(data['vocabulary']['ensemble_sizes'])}, Refine rounds in "
-        f"{list(data['vocabulary']['refine_rounds'])}, at most {data['max_nodes']} nodes: "
-        f"**{data['space_size']} workflows** (enumerated completely; up to {data['space_depth']} edits from "
-        f"`Predict`; {data['structures']} distinct structures once node names are ignored). Optimum "
-        f"**{data['optimum']:.4f}**, reached by **{data['optimal_structures']}** structure "
-        f"({data['optimal_workflows']} workflows that differ only in node names, e.g. `solve_code` vs "
-        f"`solve_code2`; a run reaches the goal with any of them); runner-up {data['runner_up']:.4f}: "
-        f"`{data['optimal_structure']}`, e.g. via "
-        + " -> ".join(data["optimal_path"]) + ".",
-        "",
-        "| top scores | structure |", "|---|---|",
-        *[f"| {t['score']:.4f} | `{t['structure']}` |" for t in data["top_scores"]],
+        "Methods, side by side on every family and seed, from the same start with the same rule proposer and "
+        "one shared evaluation function: `search` = `MCTS` with the stage's defaults (best-first selection with "
+        "explore 0.2; on the noisy family `confirm=3` (a leader is measured 3 times before it is expanded) and a "
+        "final re-measurement of the 10 leaders by successive halving; on "
+        "the cost family `objective=\"penalised\"`); `random_walk` = a uniformly random valid edit at each step; "
+        "`hill_climb` = steepest ascent with random restarts. An evaluation is one evaluator call (the search's "
+        "final re-measurements included). Deterministic families stop a run once the optimum is scored (the "
+        "best scored is what every method returns, so from then on it is returned); a run that never scores "
+        "it counts as budget + 1 evaluations.",
         "",
     ]
-    if data["validation"]:
-        lines += [f"**Validation**: the model's accuracy vs running the workflow through DSPy, the operators and the "
-                  f"sandbox with the fake LM on {data['validate_examples']} questions (z = difference / binomial SE):",
-                  "", "| structure | model | DSPy run | z |", "|---|---|---|---|",
-                  *[f"| `{v['structure']}` | {v['model']} | {v['dspy_run']} | {v['z']} |" for v in data["validation"]],
-                  ""]
-    lines += [
-        f"**Evaluations until the optimal workflow is scored**, {data['seeds']} seeds each (each run counts a "
-        f"distinct workflow once; runs that never reach it count as {data['max_evals']}):",
-        "",
-        "| method | median | mean | min | max | reached |",
-        "|---|---|---|---|---|---|",
-    ]
-    for method, s in data["summary"].items():
-        lines.append(f"| {method} | {s['median']} | {s['mean']} | {s['min']} | {s['max']} | "
-                     f"{s['reached']}/{s['runs']} |")
-    lines += ["", f"MCTS median / random-walk median = **{data['mcts_over_random_walk_median']}** "
-                  f"(goal <= 0.5: **{'met' if data['goal_met'] else 'not met'}**); MCTS / random-tree = "
-                  f"{data['mcts_over_random_tree_median']}.", "",
-              "Methods, all from `Predict` with the rule proposer's vocabulary and one shared evaluation function: "
-              "`mcts` = MCTS with AFlow's mixed selection (root + top-3 by score, alpha 0.2, lambda 0.3), one "
-              "untried uniformly random edit of the selected node per round; `random_walk` = from the current "
-              "workflow, a uniformly random valid edit, always moving; `random_tree` = the same tree search with "
-              "a uniformly random node of the tree (lambda 1, no top-k); `hill_climb` = steepest ascent (score "
-              "every neighbour, move to the best if it improves, stop at a local optimum)."]
+    if data["space"]:
+        sp = data["space"]
+        lines += [f"Needle/cost space: **{sp['size']} workflows** reachable from `Predict` (enumerated; up to "
+                  f"{sp['depth']} edits deep; by depth {sp['depth_histogram']}).", ""]
+    for name, fam in data["families"].items():
+        summ = fam["summary"]
+        lines += [f"## {name}", "", f"{fam['description']}. Budget {fam['max_evals']} evaluations; optimum "
+                  f"{fam['optimum']}" + (f" ({fam['optimal_workflows']} optimal workflows, the nearest "
+                                         f"{fam['optimal_depth']} edits deep: `{fam['optimal_structure']}`; "
+                                         f"runner-up {fam['runner_up']})" if "optimal_depth" in fam else "") + ".",
+                  "", "| method | scored the optimum | returned it | median evals to optimum | mean true score "
+                      "returned | median evaluations used |" + (" median LM calls |" if "median_lm_calls" in
+                                                                   summ["search"] else ""),
+                  "|---|---|---|---|---|---|" + ("---|" if "median_lm_calls" in summ["search"] else "")]
+        for method in [m for m in METHODS if m in summ]:
+            m = summ[method]
+            lines.append(f"| {method} | {m['scored_optimum']}/{m['runs']} | {m['returned_optimum']}/{m['runs']} | "
+                         f"{m['median_evals_to_optimum']} | {m['mean_returned_true']} | {m['median_evaluations']} |"
+                         + (f" {m['median_lm_calls']} |" if "median_lm_calls" in m else ""))
+        if "search_over_random_walk" in summ:
+            lines += ["", f"search / random walk median evals to optimum: **{summ['search_over_random_walk']}**; "
+                          f"search / hill climbing: **{summ['search_over_hill_climb']}** (seeds per method above)."]
+        if name == "noisy" and "search" in summ:
+            s = summ["search"]
+            lines += [f"Returned workflow's true score inside its reported 95% interval (from the re-measurement "
+                      f"on fresh samples): **{s['covered']}/{s['runs']}**; median re-measured minus true "
+                      f"{s['median_measured_minus_true']}."]
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 

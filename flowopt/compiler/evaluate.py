@@ -112,10 +112,18 @@ def program_key(program: Any, *, include_lms: bool = True) -> str:
     # A LocalLM's model name carries a tag that changes with its weights, so training invalidates the memo.
     import dspy
 
-    lms = {"ambient": getattr(dspy.settings.lm, "model", None),
-           **{name: getattr(p.lm, "model", None) for name, p in program.named_predictors() if p.lm is not None}}
+    lms = {"ambient": _lm_identity(dspy.settings.lm),
+           **{name: _lm_identity(p.lm) for name, p in program.named_predictors() if p.lm is not None}}
     text += json.dumps(lms, sort_keys=True, default=repr)
     return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+def _lm_identity(lm: Any) -> str | None:
+    """The LM's model name, plus its ``rollout_id`` when set: another rollout is another sample (DSPy
+    caches by it), so repeated measurements of one program are not answered from the memo."""
+    model = getattr(lm, "model", None)
+    rollout = (getattr(lm, "kwargs", None) or {}).get("rollout_id")
+    return model if rollout is None else f"{model}#rollout={rollout}"
 
 
 def score_prediction(metric: Metric, example: Any, prediction: Any, index: int) -> float:

@@ -95,3 +95,49 @@ def _wrap(text: str, width: int) -> str:
             line = f"{line} {word}".strip()
     lines.append(line)
     return "\n".join(lines)
+
+
+def draw_pareto(tree: SearchTree, *, path: str | Path, best: int | None = None) -> Path:
+    """Plot every measured candidate's score (with its 95% interval) against its LM calls per example,
+    joining the Pareto front; the returned workflow (``best``) is circled. Returns ``path``.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from flowopt.optimizers.structure.tree import SearchTree
+        >>> tree = SearchTree()
+        >>> for i, (s, c) in enumerate([(0.4, 1.0), (0.6, 3.0), (0.5, 5.0)]):
+        ...     node = tree.add(None if i == 0 else 0, None, f"n{i}", f"k{i}", {}, score=s)
+        ...     node.cost = {"lm_calls": c}
+        >>> out = draw_pareto(tree, path=pathlib.Path(tempfile.mkdtemp()) / "pareto.png")
+        >>> out.read_bytes()[:4] == b"\\x89PNG"
+        True
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    points = [n for n in tree.scored() if "lm_calls" in n.cost]
+    if not points:
+        raise ConfigError("no candidate has a measured cost", fix="have the evaluator report cost['lm_calls']")
+    front = tree.pareto_front()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    ax.errorbar([n.cost["lm_calls"] for n in points], [n.score for n in points],
+                yerr=[n.half_width for n in points], fmt="o", color="0.6", ms=4, lw=0.8, label="candidates")
+    ax.plot([n.cost["lm_calls"] for n in front], [n.score for n in front], "-o", color="tab:blue",
+            label="Pareto front")
+    chosen = tree.nodes[tree.best().id if best is None else best]
+    if "lm_calls" in chosen.cost:
+        ax.plot([chosen.cost["lm_calls"]], [chosen.score], "o", ms=14, mfc="none", mec="tab:red", label="returned")
+    for node in front:
+        ax.annotate(str(node.id), (node.cost["lm_calls"], node.score), textcoords="offset points", xytext=(4, 4),
+                    fontsize=8)
+    ax.set_xlabel("LM calls per example")
+    ax.set_ylabel("score (95% interval)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=110)
+    plt.close(fig)
+    return out

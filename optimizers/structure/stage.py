@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+import dspy
 
 from flowopt.compiler.stage import Stage
 from flowopt.errors import BudgetExhausted, ConfigError, LMError
 from flowopt.optimizers.structure.proposers import LMProposer, Proposer, RuleProposer, Vocabulary
-from flowopt.optimizers.structure.search import MCTS, Evaluation, SearchSettings
+from flowopt.optimizers.structure.search import MCTS, OBJECTIVES, SELECTIONS, Evaluation, SearchSettings, pareto_point
 from flowopt.settings import at_least, between, check_stage, one_of
 from flowopt.workflow import Workflow
 
@@ -28,6 +32,15 @@ class StructureSearch(Stage):
     stage folder) and resumed; the report gets the winning edits, the tree and a picture
     (``tree.png``).
 
+    Measurements: every candidate is run on the search examples with its own rollouts (``rollout_id``
+    1..``repeats`` on the LMs, so neither DSPy's cache nor the evaluation memo answers a repeat: a
+    repeat is a new sample when the LM samples, temperature > 0), and its LM calls and tokens per
+    example are counted. The ``final_top`` leaders are re-measured on fresh examples (the split's
+    examples past ``max_examples``, else a held-out quarter of it) and the best re-measured one is
+    returned; the report gives both scores, their 95% intervals, and the score/LM-calls Pareto front
+    (``pareto.png``). ``objective="penalised"`` ranks by score minus ``cost_weight`` x LM calls per
+    example; with ``objective="score"`` pick another point of the front with :func:`replay`.
+
     Example:
         >>> from flowopt.optimizers.structure import StructureSearch
         >>> StructureSearch(max_rounds=10, selection="uct").settings()["selection"]
@@ -37,13 +50,18 @@ class StructureSearch(Stage):
     name: ClassVar[str] = "structure"
     max_rounds: int = 20
     max_evaluations: int | None = None
-    selection: str = "mixed"
+    selection: str = "best_first"
+    explore: float = 0.2
     top_k: int = 4
     alpha: float = 0.2
     lambda_: float = 0.3
     uct_c: float = 1.4
     convergence_rounds: int | None = 8
     repeats: int = 1
+    final_top: int = 3
+    final_repeats: int = 1
+    objective: str = "score"
+    cost_weight: float = 0.0
     proposer: str = "rule"
     optimizer_lm: Any = None
     max_attempts: int = 3
@@ -57,7 +75,9 @@ class StructureSearch(Stage):
 
     def __post_init__(self) -> None:
         check_stage(self, {
-            "max_rounds": at_least(1), "max_evaluations": at_least(1), "selection": one_of("mixed", "uct"),
+            "max_rounds": at_least(1), "max_evaluations": at_least(1), "selection": one_of(*SELECTIONS),
+            "explore": between(0.0, 1.0), "final_top": at_least(0), "final_repeats": at_least(1),
+            "objective": one_of(*OBJECTIVES), "cost_weight": at_least(0.0),
             "top_k": at_least(1), "alpha": between(0.0, 1.0), "lambda_": between(0.0, 1.0), "uct_c": at_least(0.0),
             "convergence_rounds": at_least(1), "repeats": at_least(1), "proposer": one_of("rule", "lm"),
             "max_attempts": at_least(1), "max_nodes": at_least(1), "ensemble_sizes": between(1, 64),
@@ -67,10 +87,12 @@ class StructureSearch(Stage):
         self.vocabulary()
 
     def search_settings(self) -> SearchSettings:
-        return SearchSettings(max_rounds=self.max_rounds, selection=self.selection, top_k=self.top_k,
-                              alpha=self.alpha, lambda_=self.lambda_, uct_c=self.uct_c,
+        return SearchSettings(max_rounds=self.max_rounds, selection=self.selection, explore=self.explore,
+                              top_k=self.top_k, alpha=self.alpha, lambda_=self.lambda_, uct_c=self.uct_c,
                               convergence_rounds=self.convergence_rounds, repeats=self.repeats,
-                              max_evaluations=self.max_evaluations)
+                              max_evaluations=self.max_evaluations, final_top=self.final_top,
+                              final_repeats=self.final_repeats, objective=self.objective,
+                              cost_weight=self.cost_weight)
 
     def vocabulary(self) -> Vocabulary:
         kinds = Vocabulary().kinds if self.edit_kinds is None else tuple(self.edit_kinds)
@@ -86,27 +108,14 @@ class StructureSearch(Stage):
         if not isinstance(program, Workflow):
             raise ConfigError(f"structure search needs a flowopt.Workflow, got {type(program).__name__}",
                               fix="declare the program as a Workflow, or leave 'structure' out of the stages")
-        examples = list(getattr(ctx, self.split) or ctx.trainset)
-        if self.max_examples is not None:
-            examples = examples[: self.max_examples]
-        if not examples:
-            raise ConfigError("structure search has no examples to score candidates on",
-                              fix="pass a non-empty trainset (or valset with split='valset')")
-
-        def evaluate(workflow: Workflow) -> Evaluation:
-            try:
-                result = ctx.evaluate(workflow, examples, desc="structure candidate")
-            except LMError as err:
-                # Too many examples failed (e.g. the LM cannot follow a new operator's format): the
-                # candidate scores 0 like any failed example would, and the search goes on.
-                logger.info("structure candidate failed to run: %s", err)
-                return Evaluation(0.0, [{"error": str(err)[:500]}])
-            failures = [{**ex.toDict(), "score": s} for ex, s in zip(examples, result.scores) if s < 1.0][:5]
-            return Evaluation(result.score, _jsonable(failures))
+        examples, fresh = self._split_examples(list(getattr(ctx, self.split) or ctx.trainset))
+        search_eval = _Measurer(ctx, examples)
+        final_eval = _Measurer(ctx, fresh, rollout_offset=1000) if fresh is not examples else search_eval
 
         checkpoint = _ContextCheckpoint(ctx) if ctx.run_dir is not None else None
-        search = MCTS(self.make_proposer(), evaluate, self.search_settings(), seed=ctx.seed, checkpoint=checkpoint,
-                      resume=bool(ctx.resume), should_stop=ctx.budget.exhausted)
+        search = MCTS(self.make_proposer(), search_eval, self.search_settings(), seed=ctx.seed,
+                      checkpoint=checkpoint, resume=bool(ctx.resume), should_stop=ctx.budget.exhausted,
+                      final_evaluate=final_eval)
         try:
             result = search.run(program)
         except BudgetExhausted as err:
@@ -117,23 +126,88 @@ class StructureSearch(Stage):
         if stop.startswith("budget exhausted"):
             stop = "budget: " + stop[len("budget exhausted ("):-1]
         ctx.record(
-            candidates_tried=result.evaluations, rounds=result.rounds, stop_reason=stop,
+            candidates_tried=len(result.tree.nodes), evaluations=result.evaluations, rounds=result.rounds,
+            stop_reason=stop,
             search_score=round(result.best_score, 6), initial_score=result.tree.nodes[0].score,
+            search_interval=[round(x, 6) for x in result.tree.nodes[result.best_node].interval],
+            remeasured=result.remeasured, finalists=result.finalists,
+            best_cost=result.tree.nodes[result.best_node].cost,
+            pareto_front=[pareto_point(n) for n in result.tree.pareto_front()],
+            search_examples=len(examples), final_examples=len(fresh), objective=self.objective,
             edits=[e.to_dict() for e in result.edits], edit_descriptions=[e.describe() for e in result.edits],
             tree=result.tree.to_dict(with_workflows=False),
         )
         if ctx.run_dir is not None and self.draw:
             try:
-                from flowopt.optimizers.structure.draw import draw_tree
+                from flowopt.optimizers.structure.draw import draw_pareto, draw_tree
 
                 path = ctx.run_dir / "tree.png"
                 draw_tree(result.tree, path=path, best=result.best_node)
                 ctx.record(tree_picture=str(path))
+                if result.tree.pareto_front():
+                    pareto = draw_pareto(result.tree, path=ctx.run_dir / "pareto.png", best=result.best_node)
+                    ctx.record(pareto_picture=str(pareto))
             except Exception as err:  # a picture is a nicety; never fail a compile over it
                 logger.warning("could not draw the search tree: %s", err)
         best = result.best
         best.meta = {**best.meta, "structure_edits": [e.to_dict() for e in result.edits]}
         return best
+
+
+    def _split_examples(self, examples: list[Any]) -> tuple[list[Any], list[Any]]:
+        """(search examples, fresh examples for the finalists' re-measurement)."""
+        if not examples:
+            raise ConfigError("structure search has no examples to score candidates on",
+                              fix="pass a non-empty trainset (or valset with split='valset')")
+        if self.max_examples is not None and len(examples) > self.max_examples:
+            return examples[: self.max_examples], examples[self.max_examples:]
+        if self.final_top and len(examples) >= 8:
+            cut = len(examples) - len(examples) // 4
+            return examples[:cut], examples[cut:]
+        return examples, examples  # too few to hold some out: finalists get fresh rollouts only
+
+
+class _Measurer:
+    """Scores a workflow on fixed examples; the k-th call for one workflow runs with ``rollout_id`` k
+    on every LM (the ambient one and the workflow's own), which gives a distinct sample and a distinct
+    memo key, and counts the LM calls and tokens it took per example."""
+
+    def __init__(self, ctx: Any, examples: list[Any], *, rollout_offset: int = 0) -> None:
+        self.ctx, self.examples, self.offset = ctx, examples, rollout_offset
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, workflow: Workflow) -> Evaluation:
+        key = workflow.canonical_json()
+        self.calls[key] = k = self.calls.get(key, 0) + 1
+        rollout = self.offset + k
+        run = copy.copy(workflow)
+        run.lms = {name: _with_rollout(lm, rollout) for name, lm in workflow.lms.items()}
+        ambient = dspy.settings.lm
+        before = self.ctx.budget.usage()
+        try:
+            with dspy.context(lm=_with_rollout(ambient, rollout)) if ambient is not None else nullcontext():
+                result = self.ctx.evaluate(run, self.examples, desc="structure candidate")
+        except LMError as err:
+            # Too many examples failed (e.g. the LM cannot follow a new operator's format): the
+            # candidate scores 0 like any failed example would, and the search goes on.
+            logger.info("structure candidate failed to run: %s", err)
+            return Evaluation(0.0, [{"error": str(err)[:500]}], [0.0] * len(self.examples), self._cost(before))
+        failures = [{**ex.toDict(), "score": s} for ex, s in zip(self.examples, result.scores) if s < 1.0][:5]
+        return Evaluation(result.score, _jsonable(failures), list(result.scores), self._cost(before))
+
+    def _cost(self, before: dict[str, Any]) -> dict[str, float]:
+        """LM calls (real and cached) and tokens (of real calls) per example since ``before``."""
+        after = self.ctx.budget.usage()
+        n = max(len(self.examples), 1)
+        calls = after["lm_calls"] + after["cache_hits"] - before["lm_calls"] - before["cache_hits"]
+        return {"lm_calls": calls / n, "tokens": (after["tokens"] - before["tokens"]) / n}
+
+
+def _with_rollout(lm: Any, rollout: int) -> Any:
+    copier = getattr(lm, "copy", None)
+    if isinstance(lm, dict) or not callable(copier):
+        return lm  # an LM not built yet (loaded from JSON) or not a dspy.LM: used as it is
+    return copier(rollout_id=rollout)
 
 
 class _ContextCheckpoint:

@@ -8,8 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def interval_half_width(n: int, total: float, total_sq: float) -> float:
+    if n < 2:
+        return 0.0
+    mean = total / n
+    variance = max(total_sq / n - mean * mean, 0.0) * n / (n - 1)
+    return 1.96 * math.sqrt(variance / n)
 
 
 def workflow_key(canonical_json: str) -> str:
@@ -51,10 +60,40 @@ class TreeNode:
     children: list[int] = field(default_factory=list)
     tried: list[dict[str, Any]] = field(default_factory=list)  # {"edit", "delta", "child" | "duplicate_of"}
     exhausted: bool = False
+    # Measurements: n values (per-example scores when the evaluator gives them, else one per call),
+    # their sum and sum of squares give the mean and its 95% interval.
+    n: int = 0
+    total: float = 0.0
+    total_sq: float = 0.0
+    calls: int = 0  # evaluator calls spent on this node
+    cost: dict[str, float] = field(default_factory=dict)  # mean LM calls / tokens per example
+    value: float | None = None  # the objective the search ranks by (score, or score minus cost)
+    final: dict[str, Any] | None = None  # the re-measurement on fresh examples, for finalists
 
     @property
     def mean_value(self) -> float:
         return self.value_sum / self.visits if self.visits else (self.score or 0.0)
+
+    def record(self, values: list[float]) -> None:
+        self.n += len(values)
+        self.total += sum(values)
+        self.total_sq += sum(v * v for v in values)
+        self.calls += 1
+        self.score = self.total / self.n
+
+    @property
+    def half_width(self) -> float:
+        """Half the 95% interval of the mean score (normal approximation); 0 for one measurement."""
+        return interval_half_width(self.n, self.total, self.total_sq)
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        score = self.score or 0.0
+        return (score - self.half_width, score + self.half_width)
+
+
+def _value(node: TreeNode) -> float:
+    return float(node.value if node.value is not None else node.score)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -69,6 +108,7 @@ class SearchTree:
     """
 
     nodes: list[TreeNode] = field(default_factory=list)
+    _index: dict[str, TreeNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def add(self, parent: int | None, edit: dict[str, Any] | None, description: str, key: str,
             workflow: dict[str, Any], *, score: float | None = None, round: int = 0,
@@ -80,18 +120,40 @@ class SearchTree:
             self.nodes[parent].children.append(node.id)
         return node
 
+    def pareto_front(self) -> list[TreeNode]:
+        """Scored nodes that no other node beats on both score (higher) and LM calls per example (fewer)."""
+        nodes = [n for n in self.scored() if "lm_calls" in n.cost]
+        front = [n for n in nodes if not any(
+            (o.score >= n.score and o.cost["lm_calls"] <= n.cost["lm_calls"])  # type: ignore[operator]
+            and (o.score > n.score or o.cost["lm_calls"] < n.cost["lm_calls"])  # type: ignore[operator]
+            for o in nodes)]
+        return sorted(front, key=lambda n: (n.cost["lm_calls"], n.id))
+
+    def discard_last(self) -> None:
+        """Drop the node added last (one whose measurement failed)."""
+        node = self.nodes.pop()
+        if node.parent is not None:
+            self.nodes[node.parent].children.remove(node.id)
+        self._index.pop(node.key, None)
+
     def by_key(self, key: str) -> TreeNode | None:
-        return next((n for n in self.nodes if n.key == key), None)
+        if len(self._index) != len(self.nodes):
+            self._index = {n.key: n for n in self.nodes}
+        return self._index.get(key)
 
     def scored(self) -> list[TreeNode]:
         return [n for n in self.nodes if n.score is not None]
 
     def best(self) -> TreeNode:
-        """Highest score; the earliest node wins ties (fewer edits, found first)."""
-        return max(self.scored(), key=lambda n: (n.score, -n.id))
+        """Highest objective; the earliest node wins ties (fewer edits, found first). Finalists that were
+        re-measured on fresh examples are ranked by that re-measurement alone."""
+        finals = [n for n in self.scored() if n.final is not None]
+        if finals:
+            return max(finals, key=lambda n: (n.final["value"], -n.id))  # type: ignore[index]
+        return max(self.scored(), key=lambda n: (_value(n), -n.id))
 
     def top_k_mean(self, k: int) -> float:
-        scores = sorted((n.score for n in self.scored()), reverse=True)[:k]  # type: ignore[type-var]
+        scores = sorted((_value(n) for n in self.scored()), reverse=True)[:k]
         return sum(scores) / len(scores) if scores else 0.0  # type: ignore[arg-type]
 
     def path(self, node_id: int) -> list[TreeNode]:

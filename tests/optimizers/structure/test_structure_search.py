@@ -80,14 +80,14 @@ def test_mixed_selection_keeps_the_root_among_the_top_k():
     assert picked == {0, 6, 7}
 
 
-@pytest.mark.parametrize("selection", ["mixed", "uct"])
+@pytest.mark.parametrize("selection", ["best_first", "mixed", "uct"])
 def test_search_improves_and_never_scores_a_graph_twice(toys, selection):
     result, evaluate = _run(toys, selection=selection, max_rounds=25, convergence_rounds=None)
     assert result.best_score > toys.score(toys.single()) + 0.2
     assert len(evaluate.keys) == len(set(evaluate.keys)) == result.evaluations == len(result.tree.nodes)
     assert result.rounds == 25 or result.stop_reason.startswith("exhausted")
-    duplicates = [e for e in result.log if e.get("event") == "duplicate"]
-    assert result.evaluations + len(duplicates) == result.rounds + 1
+    # A round scores one new workflow; re-proposing a scored one is logged but uses no round.
+    assert result.evaluations == result.rounds + 1
     for node in result.tree.nodes:  # an edit is never proposed twice from the same node
         tried = [json.dumps(t["edit"], sort_keys=True) for t in node.tried]
         assert len(tried) == len(set(tried))
@@ -138,7 +138,8 @@ def test_should_stop_hook_stops_before_the_next_round(toys):
 
     search = MCTS(RuleProposer(VOCAB), toys.score, SearchSettings(max_rounds=50), should_stop=should_stop)
     result = search.run(toys.single())
-    assert result.rounds == 3
+    # Consulted before every step (a step that only re-proposes a scored workflow uses no round).
+    assert len(calls) == 4 and 1 <= result.rounds <= 3 and result.evaluations == result.rounds + 1
     assert result.stop_reason == "budget exhausted (max_wall_s)"
 
 
@@ -208,10 +209,17 @@ def test_bad_settings_say_how_to_fix():
 
 
 def test_baselines_count_unique_evaluations(toys):
-    trace = random_walk(toys.single(), RuleProposer(VOCAB), toys.score, seed=1, max_evaluations=10)
-    assert [i for i, _ in trace] == list(range(1, 11))
-    climb = hill_climb(toys.single(), RuleProposer(VOCAB), toys.score, seed=1, max_evaluations=200)
-    assert max(s for _, s in climb) > toys.score(toys.single())
+    walk = random_walk(toys.single(), RuleProposer(VOCAB), toys.score, seed=1, max_evaluations=10)
+    assert [i for i, _ in walk.trace] == list(range(1, 11))
+    assert walk.best_score == max(s for _, s in walk.trace) == toys.score(walk.best)
+    counting = CountingScore(toys.score)
+    climb = hill_climb(toys.single(), RuleProposer(VOCAB), counting, seed=1, max_evaluations=200)
+    assert climb.best_score == max(s for _, s in climb.trace) > toys.score(toys.single())
+    assert climb.best_score == toys.score(climb.best)
+    # With restarts the climb keeps going past its first local optimum until the evaluations are spent.
+    assert climb.restarts >= 1 and climb.evaluations == len(counting.keys) == 200
+    once = hill_climb(toys.single(), RuleProposer(VOCAB), toys.score, seed=1, max_evaluations=200, restarts=False)
+    assert once.restarts == 0 and once.evaluations < 200
 
 
 def test_tree_picture(toys, tmp_path):
