@@ -237,6 +237,8 @@ def test_rollouts_hide_dspys_truncation_warning_but_others_still_see_it(tiny_loc
     handler = Collect()
     lm_logger = logging.getLogger("dspy.clients.lm")
     lm_logger.addHandler(handler)
+    level = lm_logger.level
+    lm_logger.setLevel(logging.WARNING)  # whatever an earlier test in this process set it to
     try:
         policy = Policy(tiny_local, lora=LoraSettings(r=4, alpha=8))
         policy.start_adapter("quiet-test")
@@ -256,3 +258,4 @@ def test_rollouts_hide_dspys_truncation_warning_but_others_still_see_it(tiny_loc
         assert [m for m in handler.messages if "truncated" in m]
     finally:
         lm_logger.removeHandler(handler)
+        lm_logger.setLevel(level)
