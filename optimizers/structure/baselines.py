@@ -85,6 +85,9 @@ def random_walk(program: Workflow, proposer: RuleProposer, evaluate: Callable[[W
     return score.result()
 
 
+MAX_FRUITLESS_RESTARTS = 20
+
+
 def hill_climb(program: Workflow, proposer: RuleProposer, evaluate: Callable[[Workflow], object], *,
                seed: int = 0, max_evaluations: int = 100, target: float | None = None,
                restarts: bool = True, restart_steps: int = 3) -> BaselineResult:
@@ -103,7 +106,8 @@ def hill_climb(program: Workflow, proposer: RuleProposer, evaluate: Callable[[Wo
     rng = random.Random(seed)
     score = _Scorer(evaluate)
     current, current_score = program, score(program)
-    n_restarts = 0
+    n_restarts = fruitless = 0
+    seen = len(score.trace)
     while len(score.trace) < max_evaluations:
         neighbours = proposer.valid_edits(current)
         rng.shuffle(neighbours)
@@ -121,17 +125,17 @@ def hill_climb(program: Workflow, proposer: RuleProposer, evaluate: Callable[[Wo
             continue
         if not restarts:
             break
+        # A climb that scored nothing new: after enough of them in a row, what is reachable is scored.
+        fruitless = fruitless + 1 if len(score.trace) == seen else 0
         seen = len(score.trace)
+        if fruitless >= MAX_FRUITLESS_RESTARTS or len(score.trace) >= max_evaluations:
+            break
         current = program
         for _ in range(restart_steps):
             try:
                 current = proposer.propose(current, ProposalContext(score=0.0), rng).workflow
             except NoProposal:
                 break
-        if len(score.trace) >= max_evaluations:
-            break
         current_score = score(current)
         n_restarts += 1
-        if n_restarts > 10 * max_evaluations and len(score.trace) == seen:  # nothing new is reachable
-            break
     return score.result(n_restarts)

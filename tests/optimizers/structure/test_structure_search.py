@@ -213,13 +213,13 @@ def test_baselines_count_unique_evaluations(toys):
     assert [i for i, _ in walk.trace] == list(range(1, 11))
     assert walk.best_score == max(s for _, s in walk.trace) == toys.score(walk.best)
     counting = CountingScore(toys.score)
-    climb = hill_climb(toys.single(), RuleProposer(VOCAB), counting, seed=1, max_evaluations=200)
+    climb = hill_climb(toys.single(), RuleProposer(VOCAB), counting, seed=1, max_evaluations=60)
     assert climb.best_score == max(s for _, s in climb.trace) > toys.score(toys.single())
     assert climb.best_score == toys.score(climb.best)
     # With restarts the climb keeps going past its first local optimum until the evaluations are spent.
-    assert climb.restarts >= 1 and climb.evaluations == len(counting.keys) == 200
-    once = hill_climb(toys.single(), RuleProposer(VOCAB), toys.score, seed=1, max_evaluations=200, restarts=False)
-    assert once.restarts == 0 and once.evaluations < 200
+    assert climb.restarts >= 1 and climb.evaluations == len(counting.keys) == 60
+    once = hill_climb(toys.single(), RuleProposer(VOCAB), toys.score, seed=1, max_evaluations=60, restarts=False)
+    assert once.restarts == 0 and once.evaluations < 60
 
 
 def test_tree_picture(toys, tmp_path):
