@@ -611,7 +611,8 @@ def _from_log(path: Path) -> dict[str, Any]:
                                                "optimum": family.optimum, "runs": []})
             entry["runs"].append(ast.literal_eval(rest))
     return {"command": f"(the runs logged in {path.name} by a process stopped before it finished)", "space": {},
-            "families": families, "load_average_before": [], "load_average_after": [round(x, 1) for x in os.getloadavg()],
+            "families": families, "load_average_before": [],
+            "load_average_after": [round(x, 1) for x in os.getloadavg()],
             "wall_s": 0.0, "python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
             "seeds": None}
 

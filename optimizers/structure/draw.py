@@ -122,13 +122,15 @@ def draw_pareto(tree: SearchTree, *, path: str | Path, best: int | None = None) 
         raise ConfigError("no candidate has a measured cost", fix="have the evaluator report cost['lm_calls']")
     front = tree.pareto_front()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    ax.errorbar([n.cost["lm_calls"] for n in points], [n.score for n in points],
+    # scored() and pareto_front() hold measured nodes only, so every score is a float.
+    ax.errorbar([n.cost["lm_calls"] for n in points], [float(n.score or 0.0) for n in points],
                 yerr=[n.half_width for n in points], fmt="o", color="0.6", ms=4, lw=0.8, label="candidates")
-    ax.plot([n.cost["lm_calls"] for n in front], [n.score for n in front], "-o", color="tab:blue",
+    ax.plot([n.cost["lm_calls"] for n in front], [float(n.score or 0.0) for n in front], "-o", color="tab:blue",
             label="Pareto front")
     chosen = tree.nodes[tree.best().id if best is None else best]
     if "lm_calls" in chosen.cost:
-        ax.plot([chosen.cost["lm_calls"]], [chosen.score], "o", ms=14, mfc="none", mec="tab:red", label="returned")
+        ax.plot([chosen.cost["lm_calls"]], [float(chosen.score or 0.0)], "o", ms=14, mfc="none", mec="tab:red",
+                label="returned")
     for node in front:
         ax.annotate(str(node.id), (node.cost["lm_calls"], node.score), textcoords="offset points", xytext=(4, 4),
                     fontsize=8)

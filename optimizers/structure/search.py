@@ -264,7 +264,7 @@ class MCTS:
             state["tree"].discard_last()  # an unscored node never stays in the tree
             raise
         root.evaluation = state["evaluations"]
-        state["tree"].backpropagate(root.id, float(root.value))  # type: ignore[arg-type]
+        state["tree"].backpropagate(root.id, float(root.value))
         state["failures"][root.key] = failures
         state["history"].append(state["tree"].top_k_mean(self.settings.top_k))
         state["log"].append({"round": 0, "event": "root", "child": 0, "score": root.score,

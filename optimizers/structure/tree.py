@@ -154,7 +154,7 @@ class SearchTree:
 
     def top_k_mean(self, k: int) -> float:
         scores = sorted((_value(n) for n in self.scored()), reverse=True)[:k]
-        return sum(scores) / len(scores) if scores else 0.0  # type: ignore[arg-type]
+        return sum(scores) / len(scores) if scores else 0.0
 
     def path(self, node_id: int) -> list[TreeNode]:
         """Nodes from the root to ``node_id``."""
