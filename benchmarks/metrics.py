@@ -309,6 +309,12 @@ def _golds(example: Any) -> list[str]:
     )
 
 
+def _best_over_golds(example: Any, pred: Any, score: Callable[[str, str], float]) -> float:
+    """``score`` of the predicted answer against each gold answer, the best of them."""
+    answer = _pred_answer(pred)
+    return float(max(score(answer, gold) for gold in _golds(example)))
+
+
 def hotpot_em(example: Any, pred: Any, trace: Any = None) -> float:
     """HotpotQA answer exact match (best over the gold answers if ``example.answer`` is a list).
 
@@ -317,8 +323,7 @@ def hotpot_em(example: Any, pred: Any, trace: Any = None) -> float:
         >>> hotpot_em(dspy.Example(answer="Chief of Protocol"), dspy.Prediction(answer="chief of protocol."))
         1.0
     """
-    answer = _pred_answer(pred)
-    return max(exact_match_score(answer, gold) for gold in _golds(example))
+    return _best_over_golds(example, pred, exact_match_score)
 
 
 def hotpot_f1(example: Any, pred: Any, trace: Any = None) -> float:
@@ -329,8 +334,7 @@ def hotpot_f1(example: Any, pred: Any, trace: Any = None) -> float:
         >>> hotpot_f1(dspy.Example(answer="yes"), dspy.Prediction(answer="no"))
         0.0
     """
-    answer = _pred_answer(pred)
-    return max(f1_score(answer, gold) for gold in _golds(example))
+    return _best_over_golds(example, pred, f1_score)
 
 
 def hotpot_f1_aflow(example: Any, pred: Any, trace: Any = None) -> float:
@@ -341,8 +345,8 @@ def hotpot_f1_aflow(example: Any, pred: Any, trace: Any = None) -> float:
         >>> hotpot_f1_aflow(dspy.Example(answer="yes"), dspy.Prediction(answer="Yes, both are American."))
         0.4
     """
-    answer = _pred_answer(pred)
-    return max(_token_f1(normalize_answer(answer), normalize_answer(gold)) for gold in _golds(example))
+    return _best_over_golds(example, pred, lambda answer, gold: _token_f1(normalize_answer(answer),
+                                                                          normalize_answer(gold)))
 
 
 def hotpot_em_dspy(example: Any, pred: Any, trace: Any = None) -> float:
