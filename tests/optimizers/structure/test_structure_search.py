@@ -27,8 +27,9 @@ from flowopt.optimizers.structure import (
     replay,
     replay_log,
 )
-from flowopt.optimizers.structure.baselines import hill_climb, random_walk
+from flowopt.optimizers.structure.baselines import MAX_FRUITLESS_RESTARTS, hill_climb, random_walk
 from flowopt.optimizers.structure.draw import draw_tree
+from flowopt.optimizers.structure.proposers import NoProposal
 from flowopt.optimizers.structure.selection import select_mixed
 from flowopt.optimizers.structure.tree import workflow_key
 
@@ -220,6 +221,22 @@ def test_baselines_count_unique_evaluations(toys):
     assert climb.restarts >= 1 and climb.evaluations == len(counting.keys) == 60
     once = hill_climb(toys.single(), RuleProposer(VOCAB), toys.score, seed=1, max_evaluations=60, restarts=False)
     assert once.restarts == 0 and once.evaluations < 60
+
+
+class _Stuck:
+    """A proposer with nowhere to go: no valid edits, no proposals."""
+
+    def valid_edits(self, workflow):
+        return []
+
+    def propose(self, workflow, context, rng):
+        raise NoProposal("nothing to propose")
+
+
+def test_hill_climb_stops_when_restarts_find_nothing_new(toys):
+    # Everything reachable is scored after one evaluation; the climb must not spin through its budget.
+    climb = hill_climb(toys.single(), _Stuck(), toys.score, seed=0, max_evaluations=10_000)
+    assert climb.evaluations == 1 and climb.restarts == MAX_FRUITLESS_RESTARTS - 1
 
 
 def test_tree_picture(toys, tmp_path):
