@@ -215,20 +215,22 @@ class LocalDSPyLM(dspy.LM):
     Behaves as any ``dspy.LM``; ``lm.local`` is the LocalLM and ``lm.to_spec()`` its workflow entry.
     Its ``model`` reads ``local/<name>`` plus ``@<tag>`` when the weights in use are not the registered
     ones (a folder, an adapter, weights changed in place), so DSPy's cache never mixes them.
+    ``engine`` defaults to a :class:`LocalEngine` on the LocalLM's own weights; a subclass pins other
+    weights by passing its own (see :class:`~flowopt.lm.pinned.AdapterLM`).
 
     Example:
         >>> lm = local.lm  # doctest: +SKIP
         >>> lm.copy(temperature=0.7)("Once upon a time")  # doctest: +SKIP
     """
 
-    def __init__(self, local: LocalLM, **kwargs: Any) -> None:
+    def __init__(self, local: LocalLM, *, engine: LocalEngine | None = None, **kwargs: Any) -> None:
         self._local = local
         self._model_name = f"local/{local.name}"
-        super().__init__(f"local/{local.name}", engine=LocalEngine(local), **kwargs)
+        super().__init__(self._model_name, engine=engine or LocalEngine(local), **kwargs)
 
     @property
     def model(self) -> str:
-        return self._model_name + self._local.cache_tag()
+        return self._model_name + self.cache_tag()
 
     @model.setter
     def model(self, value: str) -> None:
@@ -238,9 +240,17 @@ class LocalDSPyLM(dspy.LM):
     def local(self) -> LocalLM:
         return self._local
 
+    def cache_tag(self) -> str:
+        """The ``@<tag>`` of ``model``: the LocalLM's, which changes with the weights its unpinned calls use."""
+        return self._local.cache_tag()
+
+    def weights_spec(self) -> dict[str, Any]:
+        """The spec of the weights this LM runs: the LocalLM's own."""
+        return self._local.to_spec()
+
     def to_spec(self) -> dict[str, Any]:
-        """The workflow-IR entry: the LocalLM's spec with this LM's temperature and max_tokens."""
-        spec = self._local.to_spec()
+        """The workflow-IR entry: :meth:`weights_spec` with this LM's temperature and max_tokens."""
+        spec = self.weights_spec()
         if self.kwargs.get("temperature") is not None:
             spec["temperature"] = self.kwargs["temperature"]
         if self.kwargs.get("max_tokens") is not None:

@@ -13,10 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import dspy
-
 from flowopt.errors import ConfigError
-from flowopt.lm.engine import LocalEngine
+from flowopt.lm.engine import LocalDSPyLM, LocalEngine
 
 
 class PinnedEngine(LocalEngine):
@@ -35,8 +33,11 @@ class PinnedEngine(LocalEngine):
         return self
 
 
-class AdapterLM(dspy.LM):
+class AdapterLM(LocalDSPyLM):
     """The student LM of a trained program: ``local`` with adapter ``adapter`` (saved at ``path``).
+
+    A :class:`~flowopt.lm.engine.LocalDSPyLM` whose calls are pinned to the adapter, whose cache tag
+    names the adapter's weights (its SHA-256) and whose spec names the adapter's folder.
 
     Example:
         >>> lm = AdapterLM(local, "finetune", path="run/stages/00-finetune/adapter", sha256="ab12...")  # doctest: +SKIP
@@ -45,29 +46,19 @@ class AdapterLM(dspy.LM):
     """
 
     def __init__(self, local: Any, adapter: str, *, path: str | Path, sha256: str, **kwargs: Any) -> None:
-        self._local = local
         self.adapter = adapter
         self.adapter_path = str(Path(path).resolve())
         self.sha256 = sha256
         kwargs.setdefault("temperature", local.temperature)
         kwargs.setdefault("max_tokens", local.max_new_tokens)
-        super().__init__(f"local/{local.name}", engine=PinnedEngine(local, adapter), **kwargs)
+        super().__init__(local, engine=PinnedEngine(local, adapter), **kwargs)
 
-    @property
-    def model(self) -> str:
+    def cache_tag(self) -> str:
         # DSPy's cache keys on the model string: name the adapter's weights, not the adapter's name.
-        return f"local/{self._local.name}@{self.sha256[:12]}"
+        return f"@{self.sha256[:12]}"
 
-    @model.setter
-    def model(self, value: str) -> None:  # dspy.LM.__init__ assigns it; the name is derived instead
-        pass
-
-    @property
-    def local(self) -> Any:
-        return self._local
-
-    def to_spec(self) -> dict[str, Any]:
-        """The workflow-IR entry: the LocalLM's spec with this adapter's folder."""
+    def weights_spec(self) -> dict[str, Any]:
+        """The LocalLM's spec with this adapter's folder."""
         local = self._local
         if local.source is None:
             raise ConfigError(f"LocalLM {local.name!r} wraps an in-memory model and cannot be described",
@@ -78,8 +69,4 @@ class AdapterLM(dspy.LM):
             spec = {"model": f"local/{local.name}", "source": local.source, "chat": local.chat,
                     "max_new_tokens": local.max_new_tokens, "temperature": local.temperature}
         spec["adapter"] = self.adapter_path
-        if self.kwargs.get("temperature") is not None:
-            spec["temperature"] = self.kwargs["temperature"]
-        if self.kwargs.get("max_tokens") is not None:
-            spec["max_new_tokens"] = self.kwargs["max_tokens"]
         return spec
