@@ -120,24 +120,37 @@ def check_stage(stage: Any, bounds: Mapping[str, Bound] | None = None) -> None:
 
 @functools.cache
 def type_hints(owner: Callable[..., Any]) -> dict[str, Any]:
-    """The resolved annotations of a class or function; one that cannot be resolved counts as ``Any``."""
+    """The resolved annotations of a class or function; one that cannot be resolved counts as ``Any``.
+
+    ``typing.get_type_hints`` resolves them all at once; when one fails (a name the owner's module imports
+    only under ``TYPE_CHECKING``), each annotation is resolved alone by ``get_type_hints`` in the namespace
+    of the module that declares it, so one unresolvable annotation does not hide the others' types.
+
+    Example:
+        >>> def owner(rounds: "int", model: "Tensor | None" = None) -> None: ...
+        >>> type_hints(owner)["rounds"], type_hints(owner)["model"]
+        (<class 'int'>, typing.Any)
+    """
     try:
         return typing.get_type_hints(owner)
-    except Exception:  # e.g. a name imported only under TYPE_CHECKING: resolve the others one by one below
+    except (NameError, AttributeError, TypeError):  # resolved one by one below
         pass
-    raw: dict[str, Any] = {}
-    for klass in reversed(getattr(owner, "__mro__", (owner,))):
-        raw.update(getattr(klass, "__annotations__", {}))
-    module = sys.modules.get(getattr(owner, "__module__", ""), None)
-    namespace = dict(vars(module)) if module is not None else {}
     resolved: dict[str, Any] = {}
-    for name, annotation in raw.items():
-        try:
-            # An annotation is the owner's own source text (never user input), as get_type_hints evaluates it.
-            resolved[name] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
-        except Exception:  # unresolvable: the owner's own checks apply to this setting
-            resolved[name] = Any
+    for declarer in reversed(getattr(owner, "__mro__", (owner,))):
+        module = sys.modules.get(getattr(declarer, "__module__", None) or "")
+        namespace = getattr(declarer, "__globals__", None) or (dict(vars(module)) if module is not None else {})
+        for name, annotation in getattr(declarer, "__annotations__", {}).items():
+            resolved[name] = _resolve(annotation, namespace)
     return resolved
+
+
+def _resolve(annotation: Any, namespace: dict[str, Any]) -> Any:
+    """One annotation resolved by ``typing.get_type_hints`` in ``namespace``; ``Any`` when it cannot be."""
+    holder = type("OneAnnotation", (), {"__annotations__": {"value": annotation}})
+    try:
+        return typing.get_type_hints(holder, globalns=namespace, localns={})["value"]
+    except (NameError, AttributeError, TypeError):  # unresolvable: the owner's own checks apply to this setting
+        return Any
 
 
 def _matches(value: Any, annotation: Any) -> bool:
