@@ -67,6 +67,14 @@ def _grpo_throughput(r: dict[str, Any]) -> None:
     assert set(r["flowopt_vs_trl"]) == {"flowopt vs trl-nockpt", "stage vs trl-nockpt"}
 
 
+def _runtime_ab(r: dict[str, Any]) -> None:
+    # The smoke run is a self-A/B of grpo_throughput: one run a side, every statistic paired and summarised.
+    assert r["measure"] == "grpo" and [run["side"] for run in r["runs"]] == ["before", "after"]
+    for stat in ("flowopt_vs_trl", "stage_vs_trl"):
+        entry = r["summary"][stat]
+        assert entry["before"]["n"] == entry["after"]["n"] == 1 and entry["after"]["median"] > 0
+
+
 def _llama_cpp_throughput(r: dict[str, Any]) -> None:
     assert all(rate > 0 for rate in r["tokens_per_s"].values())
 
@@ -89,6 +97,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "grpo_throughput": (("trl",), _grpo_throughput),
     "llama_cpp_throughput": (("llama_cpp",), _llama_cpp_throughput),
     "local_lm_cuda": ((), _local_lm_cuda),
+    "runtime_ab": (("trl",), _runtime_ab),
 }
 
 
