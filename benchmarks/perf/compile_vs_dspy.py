@@ -144,7 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=int, default=40)
     parser.add_argument("--val", type=int, default=60)
     run = start_run(parser, argv)
-    setup_logging()
     args = run.args
     train, val = data(args.train, 0), data(args.val, 1000)
 
@@ -186,4 +185,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    setup_logging()
     raise SystemExit(main())

@@ -44,7 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     run = start_run(parser, argv)
-    setup_logging()
     args = run.args
 
     import torch
@@ -138,4 +137,5 @@ def train_and_evaluate(args: Any, run_dir: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    setup_logging()
     raise SystemExit(main())

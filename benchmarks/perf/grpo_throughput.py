@@ -292,7 +292,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--impls", default="flowopt,flowopt-ckpt,stage,trl,trl-nockpt")
     run = start_run(parser, argv)
-    setup_logging()
     args = run.args
     impls = [i for i in args.impls.split(",") if i]
     unknown = [i for i in impls if i not in RUNNERS]
@@ -302,8 +301,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    logging.getLogger("flowopt").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
     check_prompt_text()
     trl_version = None
     if any(i.startswith("trl") for i in impls):
@@ -372,4 +369,7 @@ def write(run: PerfRun, results: dict[str, Any], trl_version: str | None) -> Non
 
 
 if __name__ == "__main__":
+    setup_logging()
+    logging.getLogger("flowopt").setLevel(logging.ERROR)  # the stage's per-step logs would bury the results
+    warnings.filterwarnings("ignore")
     raise SystemExit(main())

@@ -32,7 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU threads for both sides")
     run = start_run(parser, argv)
-    setup_logging()
     args = run.args
     try:
         import llama_cpp
@@ -94,4 +93,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    setup_logging()
     raise SystemExit(main())

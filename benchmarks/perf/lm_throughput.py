@@ -28,7 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--dtype", default="", help="float32 or bfloat16 (default: LocalLM's pick)")
     run = start_run(parser, argv)
-    setup_logging()
     args = run.args
     import torch
 
@@ -81,4 +80,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    setup_logging()
     raise SystemExit(main())

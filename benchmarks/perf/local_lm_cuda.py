@@ -70,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=18, help="layers of the Gemma-shaped model")
     run = start_run(parser, argv)
-    setup_logging()
     args = run.args
     import torch
 
@@ -150,4 +149,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    setup_logging()
     raise SystemExit(main())

@@ -80,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch intra-op threads (0: torch's default). On a CPU shared with other jobs, 1 is "
                              "several times faster than 2: OpenMP threads stall each other when descheduled")
     run = start_run(parser, argv)
-    setup_logging()
     args = run.args
     if args.torch_threads:
         import torch
@@ -115,4 +114,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    setup_logging()
     raise SystemExit(main())

@@ -184,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alternations", type=int, default=4, help="runs of each side")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
     run = start_run(parser, argv)
-    setup_logging()
     args = run.args
     if args.alternations < 1:
         raise ConfigError(f"--alternations must be >= 1, got {args.alternations}", fix="pass --alternations 4")
@@ -241,4 +240,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    setup_logging()
     raise SystemExit(main())

@@ -87,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--repeats", type=int, default=3)
     run = start_run(parser, argv)
-    setup_logging()
     args = run.args
     dspy.configure(lm=scripted_lm(answer, latency_s=args.latency_ms / 1000, cache=False))
     questions = [f"question number {i}" for i in range(args.examples)]
@@ -110,4 +109,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    setup_logging()
     raise SystemExit(main())

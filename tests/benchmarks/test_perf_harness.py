@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import logging
 import re
+import shlex
+import subprocess
+import sys
 import textwrap
 
 import dspy
@@ -21,6 +26,7 @@ from flowopt.benchmarks.perf.harness import (
     start_run,
     timed,
 )
+from flowopt.benchmarks.perf.harness.cli import NOISY_LOGGERS
 from flowopt.benchmarks.perf.harness.machine import REPO_ROOT, package_versions
 from flowopt.errors import DataError
 
@@ -144,3 +150,56 @@ def test_the_module_docstring_example_runs(tmp_path):
     payload = read_results(tmp_path / "my_bench")
     assert payload["settings"]["size"] == 10 and payload["results"]["seconds"]["ours"]["n"] == 1
     assert payload["goals"][0]["name"] == "time ratio ours / peer"
+
+
+def _grpo_shaped_result_command() -> str:
+    """A shell command that writes a one-round grpo_throughput-shaped result to the {out} stem."""
+    code = ("import json, sys; json.dump({'results': {'runs': {'flowopt': {'runs_median_step_s': [0.1]}, "
+            "'trl-nockpt': {'runs_median_step_s': [0.12]}}}}, open(sys.argv[1] + '.json', 'w'))")
+    return "{python} -c " + shlex.quote(code) + " {out}"
+
+
+def test_a_script_main_called_in_process_leaves_logging_as_it_was(tmp_path):
+    from flowopt.benchmarks.perf import runtime_ab
+
+    root = logging.getLogger()
+    loggers = [logging.getLogger(name) for name in (*NOISY_LOGGERS, "flowopt")]
+    saved = root.level, list(root.handlers), [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.NOTSET)
+    try:
+        command = _grpo_shaped_result_command()
+        assert runtime_ab.main(["--measure", "grpo", "--alternations", "1", "--resamples", "100", "--before",
+                                command, "--after", command, "--out", str(tmp_path / "ab")]) == 0
+        assert [lg.level for lg in loggers] == [logging.NOTSET] * len(loggers)
+        assert (root.level, list(root.handlers)) == saved[:2]
+    finally:
+        for lg, level in zip(loggers, saved[2]):
+            lg.setLevel(level)
+
+
+def test_perf_scripts_set_up_logging_only_at_their_entry_point():
+    perf = REPO_ROOT / "benchmarks" / "perf"
+    scripts = [p for p in perf.glob("*.py") if "setup_logging" in p.read_text()]
+    assert len(scripts) >= 10
+    for path in scripts:
+        tree = ast.parse(path.read_text())
+        main_guard = [node for node in tree.body if isinstance(node, ast.If)
+                      and ast.unparse(node.test) in ('__name__ == "__main__"', "__name__ == '__main__'")]
+        at_entry = {id(n) for guard in main_guard for n in ast.walk(guard)}
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "setup_logging"]
+        assert calls, f"{path.name} imports setup_logging but never calls it"
+        assert all(id(c) in at_entry for c in calls), f"{path.name} calls setup_logging outside its __main__ block"
+
+
+def test_setup_logging_in_a_script_process_quiets_libraries_and_shows_progress(tmp_path):
+    command = _grpo_shaped_result_command()
+    done = subprocess.run([sys.executable, "-m", "flowopt.benchmarks.perf.runtime_ab", "--measure", "grpo",
+                           "--alternations", "1", "--resamples", "100", "--before", command, "--after", command,
+                           "--out", str(tmp_path / "ab")], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "run 0 (before" in done.stderr and "wrote " in done.stderr  # the script's INFO progress is shown
+    probe = ("import logging; from flowopt.benchmarks.perf.harness import setup_logging; setup_logging(); "
+             "print(logging.getLogger().level, logging.getLogger('dspy').level, logging.getLogger('litellm').level)")
+    levels = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120).stdout.split()
+    assert levels == [str(logging.INFO), str(logging.ERROR), str(logging.ERROR)]

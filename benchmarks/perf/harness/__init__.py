@@ -17,7 +17,6 @@ A new script ``benchmarks/perf/my_bench.py``, run as ``python -m flowopt.benchma
         parser.add_argument("--repeats", type=int, default=5)
         parser.add_argument("--size", type=int, default=10_000)
         run = start_run(parser, argv)        # parses (with --smoke), records the load average before
-        setup_logging()
         args = run.args
         runs = interleaved({"ours": lambda: timed(lambda: ours(args.size))[1],
                             "peer": lambda: timed(lambda: peer(args.size))[1]}, args.repeats, warmup=1)
@@ -30,6 +29,7 @@ A new script ``benchmarks/perf/my_bench.py``, run as ``python -m flowopt.benchma
         return 0
 
     if __name__ == "__main__":
+        setup_logging()                      # process-wide, so the entry point's job, not main()'s
         raise SystemExit(main())
 
 Extra outputs go beside the results (``run.sibling("_curve.png")``); :func:`read_results` reads a file

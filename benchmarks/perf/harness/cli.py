@@ -81,7 +81,12 @@ def start_run(parser: PerfParser, argv: Sequence[str] | None = None) -> PerfRun:
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    """Log progress and the results table to stderr; keep libraries' chatter to errors."""
+    """A script run's logging: progress and the results table to stderr, libraries' chatter kept to errors.
+
+    It changes process-wide logging, so only a script's entry point calls it (``if __name__ ==
+    "__main__": setup_logging()``), never ``main()``: a test or notebook that imports a script and calls
+    ``main(argv)`` keeps its own logger levels and handlers.
+    """
     logging.basicConfig(level=level, format="%(message)s")
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
