@@ -7,8 +7,8 @@ against bf16 where that applies (median of ``--repeats``):
 1. a greedy decode step of Gemma 3 270M at batch 1 and 8 (``model.generate`` on GSM8K prompts, the time
    of ``--decode-tokens`` (33) new tokens minus the time of 1, over 32);
 2. the 262k x 640 output projection alone on 1 and 8 rows;
-3. that projection on a strided ``[8, 8, 640]`` slice (what transformers hands ``lm_head``) with a frozen
-   weight, as under a LoRA adapter, against the same slice made contiguous;
+3. that projection (``--head-rows`` x 640, random) on a strided ``[8, 8, 640]`` slice (what transformers
+   hands ``lm_head``) with a frozen weight, as under a LoRA adapter, against the same slice made contiguous;
 4. a GRPO-sized training forward and backward (``--train-rows`` (32) sequences of 85 prompt + 7
    completion tokens) with a LoRA adapter attached, through ``completion_logprobs``, with and without
    the contiguous-input hook.
@@ -16,12 +16,17 @@ against bf16 where that applies (median of ``--repeats``):
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from flowopt.benchmarks.perf.harness import PerfParser, markdown_table, median_seconds, setup_logging, start_run
 from flowopt.benchmarks.perf.lm_workload import gsm8k_prompts
 
-SMOKE = {"repeats": 1, "warmup": 0, "decode_tokens": 3, "train_rows": 2}
+logger = logging.getLogger(__name__)
+# Smoke: one call of each, and a small stand-in for the strided-input head (the full-size head's
+# 262k-row weight alone takes about 20 s to draw and multiply on this CPU).
+SMOKE = {"repeats": 1, "warmup": 0, "decode_tokens": 3, "train_rows": 2, "head_rows": 8192}
 
 
 def decode_step_ms(local: Any, ids: list[list[int]], repeats: int, tokens: int, warmup: int) -> float:
@@ -50,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls before each timing")
     parser.add_argument("--decode-tokens", type=int, default=33, help="new tokens of the long decode (>= 2)")
     parser.add_argument("--train-rows", type=int, default=32, help="sequences in the LoRA training step")
+    parser.add_argument("--head-rows", type=int, default=262144,
+                        help="vocabulary rows of the strided-input head (Gemma 3's: 262144)")
     run = start_run(parser, argv)
-    setup_logging()
     args = run.args
     if args.decode_tokens < 2:
         parser.error("--decode-tokens must be >= 2: a step is (time of N tokens - time of 1) / (N - 1)")
@@ -67,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     texts = gsm8k_prompts(8)
     for dtype in ("float32", "bfloat16"):
+        began = time.perf_counter()
         local = LocalLM("gemma-3-270m", dtype=dtype, progress=False)
+        logger.info("%s: loaded in %.1f s", dtype, time.perf_counter() - began)
         ids = [local.render(t) for t in texts]
         out[f"decode_step_ms_{dtype}"] = {b: round(decode_step_ms(local, ids[:b], r, args.decode_tokens, w), 1)
                                           for b in (1, 8)}
@@ -75,14 +83,17 @@ def main(argv: list[str] | None = None) -> int:
         out[f"lm_head_ms_{dtype}"] = {b: round(median_seconds(lambda b=b, head=weight: torch.nn.functional.linear(
             torch.randn(b, 640, dtype=head.dtype), head), r, warmup=w) * 1000, 1) for b in (1, 8)}
         local.close()
+        logger.info("%s: decode and head timed (%.1f s so far)", dtype, time.perf_counter() - began)
 
-    weight = torch.randn(262144, 640).bfloat16()  # requires_grad False
+    began = time.perf_counter()
+    weight = torch.randn(args.head_rows, 640).bfloat16()  # requires_grad False
     strided = torch.randn(8, 92, 640).bfloat16()[:, -8:, :]
     out["lm_head_strided_bf16_frozen_ms"] = round(
         median_seconds(lambda: torch.nn.functional.linear(strided, weight), r, warmup=w) * 1000, 1)
     out["lm_head_contiguous_bf16_frozen_ms"] = round(
         median_seconds(lambda: torch.nn.functional.linear(strided.contiguous(), weight), r, warmup=w) * 1000, 1)
 
+    logger.info("strided head timed in %.1f s", time.perf_counter() - began)
     rows = args.train_rows
     batch = pack([list(range(1000, 1085))] * rows, [list(range(2000, 2007))] * rows, 0)
     for dtype in ("float32", "bfloat16"):
@@ -101,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                     completion_logprobs(policy.model, batch).sum().backward()
 
             key = f"lora_train_forward_backward_s_{dtype}" + ("" if hook else "_without_hook")
+            began = time.perf_counter()
             out[key] = round(median_seconds(train_step, max(1, r - 1), warmup=w), 2)
             local.close()
+            logger.info("%s: %.1f s (section %.1f s)", key, out[key], time.perf_counter() - began)
 
     out["native_bf16"] = cpu_has_native_bf16()
     d32, d16 = out["decode_step_ms_float32"], out["decode_step_ms_bfloat16"]
@@ -117,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             [f"LoRA training forward + backward, {rows} x 92 tokens (s)",
              out["lora_train_forward_backward_s_float32"], out["lora_train_forward_backward_s_bfloat16"]],
         ], align="lrr"), "",
-        "The strided input (bf16, frozen 262k x 640 weight, an [8, 8, 640] slice of [8, 92, 640]):", "",
+        f"The strided input (bf16, frozen {args.head_rows} x 640 weight, an [8, 8, 640] slice of [8, 92, 640]):", "",
         *markdown_table(["input", "ms"], [
             ["strided, as transformers passes it", out["lm_head_strided_bf16_frozen_ms"]],
             ["made contiguous (LocalLM's lm_head pre-hook)", out["lm_head_contiguous_bf16_frozen_ms"]],
@@ -131,4 +144,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    setup_logging()
     raise SystemExit(main())
