@@ -1,13 +1,14 @@
 """Before/after A/B of a throughput script: two code versions alternated over several runs, paired inside each.
 
-Run (the pre-refactor tree checked out at /tmp/base96; ``{out}`` becomes a temporary file stem,
-``{python}`` this interpreter):
+Run (``{out}`` becomes a temporary file stem, ``{python}`` this interpreter; here both sides run this
+tree's ``lm_throughput`` script, the before side importing an older checkout's packages through an overlay
+folder on ``PYTHONPATH``, since a script must record its rounds, not only their medians):
 
     nice -n -10 python -m flowopt.benchmarks.perf.runtime_ab --measure lm --alternations 4 \\
-      --before "cd /tmp/base96 && PYTHONPATH=/tmp/base96 python benchmarks/perf/lm_throughput.py \\
-                --tokens 32 --repeats 2 --torch-threads 1 --out {out}" \\
-      --after "{python} -m flowopt.benchmarks.perf.lm_throughput --tokens 32 --repeats 2 --torch-threads 1 \\
-               --out {out}"
+      --before "cd /tmp && PYTHONPATH=/tmp/overlay-before python -m flowopt.benchmarks.perf.lm_throughput \\
+                --tokens 24 --repeats 2 --torch-threads 1 --out {out}" \\
+      --after "cd /tmp && PYTHONPATH=/tmp/overlay-after python -m flowopt.benchmarks.perf.lm_throughput \\
+               --tokens 24 --repeats 2 --torch-threads 1 --out {out}"
 
 Each run is a fresh process (the two versions are different checkouts and cannot share one), and the sides
 alternate as before, after, after, before, before, after, ... so a drift in the machine's load falls on
@@ -59,6 +60,9 @@ def lm_rounds(payload: dict[str, Any]) -> dict[str, list[float]]:
         {'batch1_overhead': [0.1], 'speedup_8_callers': [4.4], 'raw_tokens_per_s': [5.0]}
     """
     r = payload.get("results", payload)
+    if "seconds" not in r:
+        raise DataError("the lm run's results hold no per-round seconds (a pre-harness lm_throughput.py "
+                        "records medians only)", fix="run this tree's lm_throughput script against the older code")
     rate = {k: [n / s for n, s in zip(r["tokens_generated"][k], r["seconds"][k])] for k in r["seconds"]}
     return {"batch1_overhead": [round(raw / one - 1, 6) for raw, one in zip(rate["raw"], rate["local_batch1"])],
             "speedup_8_callers": [round(many / one, 6) for many, one in zip(rate["local_8_callers"],

@@ -66,3 +66,8 @@ def test_commands_must_name_the_out_stem_and_failures_are_reported(tmp_path):
     assert not (tmp_path / "x.json").exists()
     with pytest.raises(DataError, match="no readable"):
         runtime_ab.main(["--before", "true {out}", "--after", "true {out}", "--out", str(tmp_path / "y")])
+
+
+def test_lm_rounds_refuses_a_result_that_holds_medians_only():
+    with pytest.raises(DataError, match="per-round seconds"):
+        runtime_ab.lm_rounds({"tokens_per_s": {"raw": 9.9, "local_batch1": 9.5}, "batch1_overhead_vs_raw": 0.04})
