@@ -15,6 +15,8 @@ own GPU). In float32 on both sides the server's log-probs must equal the trainin
 column), which checks that the server sampled with the weights being trained.
 
 Run: python -m flowopt.benchmarks.perf.grpo_server [--steps 4] [--repeats 3] [--hidden 256 --layers 4]
+     python -m flowopt.benchmarks.perf.grpo_server --model gemma-3-270m --batch 2 --group 4 --completion 16 \
+         --steps 3 --repeats 2 --out benchmarks/results/grpo_server_gemma
 Writes benchmarks/results/grpo_server.{json,md} (``--out STEM``).
 """
 
@@ -47,7 +49,7 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def flowopt_serve(model_dir: Path, lora_root: Path, log: Path) -> Iterator[str]:
+def flowopt_serve(model_dir: Path | str, lora_root: Path, log: Path) -> Iterator[str]:
     """``flowopt serve MODEL --enable-lora --lora-root ROOT`` on a free loopback port, one torch thread."""
     import httpx
 
@@ -75,7 +77,7 @@ def flowopt_serve(model_dir: Path, lora_root: Path, log: Path) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
-def run_grpo(model_dir: Path, args: Any, option: Any) -> dict[str, Any]:
+def run_grpo(model_dir: Path | str, args: Any, option: Any) -> dict[str, Any]:
     """One GRPO stage of ``args.steps`` steps; returns its report info."""
     import random
 
@@ -86,8 +88,7 @@ def run_grpo(model_dir: Path, args: Any, option: Any) -> dict[str, Any]:
     from flowopt.lm import AutoAdapter, LocalLM
     from flowopt.optimizers.weights import GRPO, LoraSettings
 
-    local = LocalLM(str(model_dir), name="tiny", device="cpu", dtype="float32", max_new_tokens=args.completion,
-                    progress=False)
+    local = LocalLM(str(model_dir), device="cpu", dtype="float32", max_new_tokens=args.completion, progress=False)
     program = dspy.Predict(dspy.Signature("noise, cue -> word", "Answer."))
     program.lm = local.lm
     ctx = StageContext(trainset=cue_word.make_examples(32, seed=1), valset=[], metric=cue_word.metric,
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = PerfParser("grpo_server", __doc__, smoke=SMOKE)
     parser.add_argument("--steps", type=int, default=4, help="GRPO steps per run (the first is a warm-up)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default="tiny", choices=["tiny", "gemma-3-270m"],
+                        help="a random word-level model, or the embedded Gemma 3 270M (base)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
@@ -120,13 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     from flowopt.optimizers.weights.tiny import tiny_causal_lm
 
     torch.set_num_threads(1)  # the server has one thread too: the two processes share the cores
-    words = [*cue_word.COLORS, *cue_word.ANIMALS, *cue_word.NOISE, *LABELS]
-    model, tokenizer = tiny_causal_lm(words, hidden_size=args.hidden, layers=args.layers, seed=0)
     with tempfile.TemporaryDirectory(prefix="flowopt-grpo-server-") as tmp:
-        model_dir, root = Path(tmp) / "model", Path(tmp) / "loras"
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
+        root = Path(tmp) / "loras"
         root.mkdir()
+        model_dir: Path | str = args.model
+        if args.model == "tiny":
+            words = [*cue_word.COLORS, *cue_word.ANIMALS, *cue_word.NOISE, *LABELS]
+            model, tokenizer = tiny_causal_lm(words, hidden_size=args.hidden, layers=args.layers, seed=0)
+            model_dir = Path(tmp) / "model"
+            model.save_pretrained(model_dir)
+            tokenizer.save_pretrained(model_dir)
         with flowopt_serve(model_dir, root, Path(tmp) / "server.log") as base:
             counter = iter(range(10_000))
             option = lambda: InferenceServer(base, adapter_dir=root / f"run{next(counter)}")  # noqa: E731
@@ -142,20 +148,26 @@ def main(argv: list[str] | None = None) -> int:
             "max_sampler_logprob_gap": max(p["sampler_logprob_gap"] for p in points),
             "mean_reward_per_step": [round(p["mean_reward"], 3) for info in infos for p in info["reward_curve"]],
             "completion_tokens": sum(p["completion_tokens"] for p in points), "timed_steps": len(points),
-            "adapters_pushed": sum(len(info.get("served_adapters", [])) for info in infos)}
+            "adapters_pushed": sum(len(info.get("served_adapters", [])) for info in infos),
+            "median_push_s": round(statistics.median([s for info in infos for s in info.get("push_seconds", [])]
+                                                     or [0.0]), 4)}
     ratio = summary["server"]["median_step_s"] / summary["local"]["median_step_s"]
-    results = {"model": {"hidden": args.hidden, "layers": args.layers, "dtype": "float32"},
+    shape = ({"name": "tiny", "hidden": args.hidden, "layers": args.layers} if args.model == "tiny"
+             else {"name": args.model})
+    results = {"model": {**shape, "dtype": "float32"},
                "shape": {"batch": args.batch, "group": args.group, "completion": args.completion,
                          "steps": args.steps, "repeats": args.repeats},
                "sides": summary, "server_vs_local_step_time": round(ratio, 3)}
-    rows = [[side, s["median_step_s"], s["median_rollout_s"], s["median_update_s"],
+    rows = [[side, s["median_step_s"], s["median_rollout_s"], s["median_push_s"], s["median_update_s"],
              f"{s['max_sampler_logprob_gap']:.2e}", s["timed_steps"], s["adapters_pushed"]]
             for side, s in summary.items()]
-    body = [f"Word-level Llama-shaped model, hidden {args.hidden}, {args.layers} layers, float32, one torch thread per "
-            f"process; B={args.batch} x G={args.group}, up to {args.completion} new tokens, beta 0.04, LoRA r=8; "
-            f"{args.steps} steps per run (the first untimed), {args.repeats} interleaved rounds.", "",
-            *markdown_table(["rollouts", "median step s", "rollout s (incl. push)", "update s",
-                             "max sampler log-prob gap", "timed steps", "adapters pushed"], rows, align="lrrrrrr"),
+    described = (f"Word-level Llama-shaped model (random weights), hidden {args.hidden}, {args.layers} layers"
+                 if args.model == "tiny" else "Gemma 3 270M (the embedded base model)")
+    body = [f"{described}, float32, one torch thread per process; B={args.batch} x G={args.group}, "
+            f"up to {args.completion} new tokens, beta 0.04, LoRA r=8; {args.steps} steps per run (the first untimed), "
+            f"{args.repeats} interleaved rounds.", "",
+            *markdown_table(["rollouts", "median step s", "rollout s (incl. push)", "push s", "update s",
+                             "max sampler log-prob gap", "timed steps", "adapters pushed"], rows, align="lrrrrrrr"),
             "", f"Server step time / local step time: **{ratio:.2f}x** (on one CPU the server path adds HTTP and the "
                 "adapter push; its gain is a fast sampler on its own GPU)."]
     goals = [Goal.at_most("server log-prob gap to the training forward (float32)",

@@ -161,7 +161,7 @@ class GRPO(Stage):
         info.update(stop_reason=stop_reason, steps_done=len(curve), reward_curve=curve,
                     train_seconds=round(time.monotonic() - started, 2))
         if served is not None:
-            info["served_adapters"] = served.pushed  # the name each step's rollouts were sampled with
+            info.update(served.report())
         if self.plot and ctx.run_dir is not None and curve:
             from flowopt.optimizers.weights.plot import plot_reward_curve
 

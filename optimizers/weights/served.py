@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,10 +153,15 @@ class ServedRollouts:
         self.server = option.connect()
         self.current: str | None = None
         self.pushed: list[str] = []  # every name pushed, in order (reported)
+        self.push_seconds: list[float] = []
 
     def start(self) -> None:
         """Check the server answers before the run starts, and create the adapter folder."""
-        models = self.server.models()
+        try:
+            models = self.server.models()
+        except LMError:
+            self.server.close()
+            raise
         logger.info("grpo: rollouts through %s (serving %s)", self.option.url, models)
         self.folder.mkdir(parents=True, exist_ok=True)
 
@@ -166,6 +172,7 @@ class ServedRollouts:
 
     def push(self, step: int) -> str:
         """Make the server sample with the adapter's current weights; returns the name they are served as."""
+        began = time.perf_counter()
         name = f"{self.prefix}-step{step}-{uuid.uuid4().hex[:8]}"
         folder = self.folder / name
         self.policy.save_adapter(folder)
@@ -174,7 +181,13 @@ class ServedRollouts:
         self.server.load_adapter(name, self._server_path(folder))
         self.current = name
         self.pushed.append(name)
+        self.push_seconds.append(round(time.perf_counter() - began, 4))
         return name
+
+    def report(self) -> dict[str, Any]:
+        """For the stage's report: the name each step's rollouts were sampled with, and each push's time."""
+        return {"rollout_server": self.option.url, "served_adapters": list(self.pushed),
+                "push_seconds": list(self.push_seconds)}
 
     def _drop(self, name: str) -> None:
         self.server.unload_adapter(name)
