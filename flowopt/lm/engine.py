@@ -80,6 +80,23 @@ def row_settings(local: LocalLM, config: Any, *, temperature: float | None = Non
     )
 
 
+def sample_response(local: LocalLM, request: Request, sample: Sample) -> Response:
+    """DSPy's response for one sampled completion (with token log-probs when the request asked)."""
+    logprobs = None
+    if request.config.logprobs is not None and sample.logprobs is not None:
+        logprobs = tuple(
+            TokenLogprob(token=local.tokenizer.decode([t]), logprob=float(s), token_id=int(t))
+            for t, s in zip(sample.completion_ids, sample.logprobs.tolist()))
+    return Response(
+        id=f"local-{uuid.uuid4().hex[:16]}",
+        model=request.model,
+        message=Message.assistant(sample.text),
+        finish_reason=sample.finish_reason,
+        usage=Usage(input_tokens=len(sample.prompt_ids), output_tokens=len(sample.completion_ids)),
+        logprobs=logprobs,
+    )
+
+
 class Batching(Protocol):
     """How the engine's calls reach the sampler (the default: the LocalLM's dynamic batcher)."""
 
@@ -171,19 +188,7 @@ class LocalEngine:
             raise ContextLengthError(str(exc), provider="local") from exc
         if self.recorder is not None:
             self.recorder(sample)
-        logprobs = None
-        if request.config.logprobs is not None and sample.logprobs is not None:
-            logprobs = tuple(
-                TokenLogprob(token=local.tokenizer.decode([t]), logprob=float(s), token_id=int(t))
-                for t, s in zip(sample.completion_ids, sample.logprobs.tolist()))
-        return Response(
-            id=f"local-{uuid.uuid4().hex[:16]}",
-            model=request.model,
-            message=Message.assistant(sample.text),
-            finish_reason=sample.finish_reason,
-            usage=Usage(input_tokens=len(prompt_ids), output_tokens=len(sample.completion_ids)),
-            logprobs=logprobs,
-        )
+        return sample_response(local, request, sample)
 
     def stream(self, request: Request) -> Iterator[Any]:
         # Generation is not incremental here; a stream is the finished response as events.

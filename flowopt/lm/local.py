@@ -222,11 +222,15 @@ class LocalLM(PromptRendering, AdapterSet):
             self._check_name(state)
         return self._batcher.submit((list(prompt_ids), settings), group=state)
 
-    def complete_many(self, prompt_ids: Sequence[int], settings: Sequence[RowSettings]) -> list[Sample]:
-        """Several completions of one prompt through the batcher (they join the same batch; thread-safe)."""
+    def complete_many(self, prompt_ids: Sequence[int], settings: Sequence[RowSettings], *,
+                      adapter: Any = ...) -> list[Sample]:
+        """Several completions of one prompt through the batcher (they join the same batch; thread-safe);
+        ``adapter`` pins the weights as in :meth:`complete_ids`."""
         for row in settings:
             self._check_length(prompt_ids, row.max_new_tokens)
-        state = self._state()
+        state = self._state() if adapter is ... else adapter
+        if state is not None:
+            self._check_name(state)
         futures = [self._batcher.submit_async((list(prompt_ids), row), group=state) for row in settings]
         return [future.result() for future in futures]
 

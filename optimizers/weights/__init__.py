@@ -13,11 +13,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["GRPO", "BootstrapFinetune", "LoraSettings", "Policy", "group_advantages", "run_rollouts"]
+__all__ = ["GRPO", "BootstrapFinetune", "InferenceServer", "LoraSettings", "Policy", "group_advantages",
+           "run_rollouts"]
 
 _LAZY = {
     "GRPO": "flowopt.optimizers.weights.grpo",
     "BootstrapFinetune": "flowopt.optimizers.weights.sft",
+    "InferenceServer": "flowopt.optimizers.weights.served",
     "LoraSettings": "flowopt.optimizers.weights.policy",
     "Policy": "flowopt.optimizers.weights.policy",
     "group_advantages": "flowopt.optimizers.weights.advantages",

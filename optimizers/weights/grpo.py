@@ -4,7 +4,9 @@ Per step: draw ``batch_size`` training examples, run the program ``group_size`` 
 ``temperature`` (every LM call recorded as a transition), reward each rollout, turn the rewards into
 group-relative advantages, give each rollout's advantage to every one of its transitions, and make
 ``passes`` clipped-surrogate updates. Checkpoints (adapter, optimizer, reward curve) go to the stage's
-run folder every ``checkpoint_every`` steps; ``resume=True`` continues from the last one.
+run folder every ``checkpoint_every`` steps; ``resume=True`` continues from the last one. With
+``rollout_server`` the rollouts are sampled by an inference server instead, the adapter pushed to it
+before every step (:mod:`flowopt.optimizers.weights.served`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from flowopt.optimizers.weights.optim import SCHEDULES
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
 from flowopt.optimizers.weights.rewards import NodeReward, score_rollout
 from flowopt.optimizers.weights.rollout import Rollout, run_rollouts
+from flowopt.optimizers.weights.served import InferenceServer, ServedRollouts
 from flowopt.settings import above, at_least, check_stage, one_of
 
 logger = logging.getLogger(__name__)
@@ -46,7 +49,9 @@ class GRPO(Stage):
     calls together, then over rollouts: every rollout weighs the same) or "dapo" (token mean);
     ``beta`` > 0 adds the k3 KL to the reference: the adapter the program already ran with (e.g. from
     BootstrapFinetune), else the base model (adapter disabled). ``gradient_checkpointing`` trades about a
-    third more compute for much less activation memory (TRL's default; off here).
+    third more compute for much less activation memory (TRL's default; off here). ``rollout_server``
+    (an :class:`~flowopt.optimizers.weights.served.InferenceServer`): sample rollouts on vLLM or
+    ``flowopt serve`` with the adapter pushed there each step; the update stays here.
 
     Example:
         >>> import flowopt
@@ -83,6 +88,7 @@ class GRPO(Stage):
     adapter: Any = None
     checkpoint_every: int = 5
     plot: bool = True
+    rollout_server: InferenceServer | None = None
 
     def __post_init__(self) -> None:
         check_stage(self, {
@@ -94,6 +100,9 @@ class GRPO(Stage):
             "micro_batch_size": at_least(1), "max_grad_norm": above(0.0), "format_penalty": at_least(0.0),
             "checkpoint_every": at_least(0),
         })
+        if self.rollout_server is not None and not isinstance(self.rollout_server, InferenceServer):
+            raise ConfigError(f"rollout_server must be an InferenceServer, got {type(self.rollout_server).__name__}",
+                              fix="pass rollout_server=InferenceServer('http://127.0.0.1:8000/v1', adapter_dir=...)")
 
     # ------------------------------------------------------------------ the stage
     def run(self, program: dspy.Module, ctx: Any) -> dspy.Module:
@@ -120,13 +129,16 @@ class GRPO(Stage):
         progress = ctx.progress(total=self.steps, desc="grpo") if hasattr(ctx, "progress") else None
         if progress is not None:
             progress.update(first)
+        served = ServedRollouts(self.rollout_server, policy, prefix=name) if self.rollout_server else None
+        if served is not None:
+            served.start()
         # One set of rollout threads for the whole run (B x G of them wait together in every step).
         pool = ThreadPoolExecutor(max_workers=self.batch_size * self.group_size, thread_name_prefix="flowopt-rollout")
         try:
             for step in range(first, self.steps):
                 ctx.budget.check()
                 with ctx.budget.guard():
-                    point = self._step(step, program, ctx, policy, learner, adapter, pool)
+                    point = self._step(step, program, ctx, policy, learner, adapter, pool, served=served)
                 curve.append(point)
                 ctx.logger.info("grpo step %d/%d: reward %.3f (+/- %.3f), loss %.4f, failures %d",
                                 step + 1, self.steps, point["mean_reward"], point["reward_std"], point["loss"],
@@ -141,11 +153,15 @@ class GRPO(Stage):
             ctx.logger.info("grpo: budget exhausted after %d steps (%s)", len(curve), err.limit)
         finally:
             pool.shutdown(wait=True)
+            if served is not None:
+                served.close()
             if progress is not None:
                 progress.close()
         program, info = finish(program, policy, ctx, self.name)
         info.update(stop_reason=stop_reason, steps_done=len(curve), reward_curve=curve,
                     train_seconds=round(time.monotonic() - started, 2))
+        if served is not None:
+            info.update(served.report())
         if self.plot and ctx.run_dir is not None and curve:
             from flowopt.optimizers.weights.plot import plot_reward_curve
 
@@ -156,16 +172,19 @@ class GRPO(Stage):
         return program
 
     def _step(self, step: int, program: dspy.Module, ctx: Any, policy: Policy, learner: GRPOLearner,
-              adapter: Any, pool: ThreadPoolExecutor) -> dict[str, Any]:
+              adapter: Any, pool: ThreadPoolExecutor, served: ServedRollouts | None = None) -> dict[str, Any]:
         import torch
 
         t0 = time.monotonic()
         # Each step's draw depends only on (seed, step), so a resumed run repeats the one it continues.
         rng = random.Random(f"{ctx.seed}:grpo:{step}")
         examples = [ctx.trainset[i] for i in _draw(rng, len(ctx.trainset), self.batch_size)]
+        if served is not None:
+            served.push(step)  # the server samples this step's rollouts with the weights as they are now
         rollouts = run_rollouts(program, examples, self.group_size, policy, temperature=self.temperature,
                                 max_new_tokens=self.max_new_tokens,
-                                generator=torch_generator(policy, rng.getrandbits(63)), adapter=adapter, pool=pool)
+                                generator=torch_generator(policy, rng.getrandbits(63)), adapter=adapter, pool=pool,
+                                served=served, seed=rng.getrandbits(63))
         t1 = time.monotonic()
         rewards = torch.tensor([score_rollout(r, ctx.metric, node_rewards=self.node_rewards,
                                               format_penalty=self.format_penalty) for r in rollouts])

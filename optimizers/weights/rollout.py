@@ -15,16 +15,19 @@ import contextvars
 import copy
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dspy
 
 from flowopt.lm.engine import LocalEngine, Lockstep
-from flowopt.lm.sampling import Sample
+from flowopt.lm.sampling import Sample, derive_seed
 from flowopt.optimizers.weights.policy import Policy
+
+if TYPE_CHECKING:
+    from flowopt.optimizers.weights.served import ServedRollouts
 
 logger = logging.getLogger(__name__)
 
@@ -143,22 +146,43 @@ def is_format_failure(err: BaseException) -> bool:
     return isinstance(err, AdapterParseError) or "parse" in type(err).__name__.lower()
 
 
+def _call_seed(base: int) -> Callable[[], int | None]:
+    """Per-call seeds for a server: one per (rollout, call number), so a seeded step repeats."""
+    def seed() -> int | None:
+        recorder = _RECORDER.get()
+        if recorder is None:
+            return None
+        with recorder.lock:
+            calls = len(recorder.transitions)
+        return derive_seed(base, hash((*recorder.key, calls)) & (2**62 - 1))
+    return seed
+
+
 def run_rollouts(program: dspy.Module, examples: Sequence[Any], group_size: int, policy: Policy, *,
                  temperature: float, max_new_tokens: int, generator: Any = None, adapter: Any = None,
-                 max_batch_size: int = 1024, pool: ThreadPoolExecutor | None = None) -> list[Rollout]:
+                 max_batch_size: int = 1024, pool: ThreadPoolExecutor | None = None,
+                 served: ServedRollouts | None = None, seed: int = 0) -> list[Rollout]:
     """Run every example ``group_size`` times on the policy, all at once; rollouts come back in order
     (example 0 samples 0..G-1, then example 1, ...).
 
     Errors in the program (unparseable output) end that rollout with ``error`` set; errors of the
     model itself are raised. ``pool`` (at least ``len(examples) * group_size`` workers, since every
     rollout must be waiting at once for a lockstep batch) is reused across calls instead of starting
-    that many threads each step.
+    that many threads each step. ``served``: sample on an inference server with the adapter pushed
+    there (calls seeded from ``seed``) instead of in lockstep batches here.
     """
     n = len(examples) * group_size
     if n == 0:
         return []
-    lockstep = Lockstep(policy.local, live=n, key=_rollout_key, generator=generator, max_batch_size=max_batch_size)
-    engine = policy_engine(policy, temperature=temperature, max_new_tokens=max_new_tokens, batching=lockstep)
+    lockstep: Lockstep | None = None
+    engine: Any
+    if served is None:
+        lockstep = Lockstep(policy.local, live=n, key=_rollout_key, generator=generator,
+                            max_batch_size=max_batch_size)
+        engine = policy_engine(policy, temperature=temperature, max_new_tokens=max_new_tokens, batching=lockstep)
+    else:  # the server batches the concurrent calls itself
+        engine = served.engine(recorder=_record, temperature=temperature, max_new_tokens=max_new_tokens,
+                               seed=_call_seed(seed))
     student = with_lm(program, policy_lm(engine))
     names = predictor_names(student)
     rollouts = [Rollout(i, j, ex) for i, ex in enumerate(examples) for j in range(group_size)]
@@ -179,7 +203,8 @@ def run_rollouts(program: dspy.Module, examples: Sequence[Any], group_size: int,
                     rollout.format_failure = is_format_failure(err)
                 rollout.trace = _named_trace(dspy.settings.trace or [], names)
         finally:
-            lockstep.finished()
+            if lockstep is not None:
+                lockstep.finished()
             rollout.transitions = recorder.transitions
 
     quiet = _QuietTruncation()
@@ -189,14 +214,17 @@ def run_rollouts(program: dspy.Module, examples: Sequence[Any], group_size: int,
                                                                                  thread_name_prefix="flowopt-rollout")
     try:
         futures = [workers.submit(parent.copy().run, one, r) for r in rollouts]
-        lockstep.serve()  # all generation runs here, on the caller's thread
+        if lockstep is not None:
+            lockstep.serve()  # all generation runs here, on the caller's thread
         for future in futures:
             future.result()
     finally:
         _DSPY_LM_LOGGER.removeFilter(quiet)
         if own_pool:
             workers.shutdown(wait=True)
-    if lockstep.batcher.errors:  # the model failed (not the program): no rollout of this step counts
-        raise lockstep.batcher.errors[0]
-    logger.debug("rollouts: %d, LM batches %s", n, lockstep.batcher.batch_sizes)
+    errors = lockstep.batcher.errors if lockstep is not None else engine.errors
+    if errors:  # the model or its server failed (not the program): no rollout of this step counts
+        raise errors[0]
+    if lockstep is not None:
+        logger.debug("rollouts: %d, LM batches %s", n, lockstep.batcher.batch_sizes)
     return rollouts

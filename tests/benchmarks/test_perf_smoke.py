@@ -75,6 +75,12 @@ def _runtime_ab(r: dict[str, Any]) -> None:
         assert entry["before"]["n"] == entry["after"]["n"] == 1 and entry["after"]["median"] > 0
 
 
+def _grpo_server(r: dict[str, Any]) -> None:
+    assert set(r["sides"]) == {"local", "server"} and r["server_vs_local_step_time"] > 0
+    assert r["sides"]["server"]["adapters_pushed"] == 2  # one push per step: --steps 2, --repeats 1
+    assert r["sides"]["server"]["max_sampler_logprob_gap"] < 1e-4  # float32: it sampled the trained weights
+
+
 def _llama_cpp_throughput(r: dict[str, Any]) -> None:
     assert all(rate > 0 for rate in r["tokens_per_s"].values())
 
@@ -95,6 +101,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "cpu_bf16_paths": ((), _cpu_bf16_paths),
     "gemma_weights_demo": ((), _gemma_weights_demo),
     "grpo_throughput": (("trl",), _grpo_throughput),
+    "grpo_server": ((), _grpo_server),
     "llama_cpp_throughput": (("llama_cpp",), _llama_cpp_throughput),
     "local_lm_cuda": ((), _local_lm_cuda),
     "runtime_ab": (("trl",), _runtime_ab),
