@@ -63,6 +63,7 @@ class GRPO(Stage):
     """
 
     name: ClassVar[str] = "grpo"
+    multi_process: ClassVar[bool] = True
 
     student: Any = None
     steps: int = 20

@@ -107,6 +107,7 @@ class BootstrapFinetune(Stage):
     """
 
     name: ClassVar[str] = "finetune"
+    multi_process: ClassVar[bool] = True
 
     student: Any = None
     teacher: Any = None
