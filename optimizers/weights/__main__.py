@@ -120,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import flowopt
     from flowopt.compiler.processes import launched_processes
+    from flowopt.optimizers.weights.distributed import current_world
 
+    current_world()  # join the process group (and take this rank's GPU) before the workflow loads its model
     inputs = [name.strip() for name in args.inputs.split(",") if name.strip()]
     stages = build_stages(stage_settings(args.stage, args.set))
     trainset = read_examples(args.trainset, inputs)
