@@ -1,6 +1,7 @@
 """One process of the multi-process weights tests, and the one-process reference they compare with.
 
-``torchrun --nproc_per_node 2 ddp_worker.py sft grpo OUT`` (either or both, in turn) trains the tiny random model
+``torchrun --nproc_per_node 2 ddp_worker.py sft grpo OUT`` (either or both, in turn; the test starts the
+processes itself with the same environment) trains the tiny random model
 with BootstrapFinetune (gold labels, no teacher) or GRPO on N processes; :func:`run` does the same in
 the calling process. The adapter lands in ``OUT/<kind>/adapter``; rank 0 writes ``OUT/<kind>.json``
 (the stage's report entry and how many rollout batches each phase sampled).

@@ -1,5 +1,7 @@
-"""The weights stages on 2 processes (gloo on CPU, launched by torchrun) train the same adapter as one
-process with the same global batch and seed: max abs difference <= 1e-5 in float32."""
+"""The weights stages on 2 processes (gloo on CPU over 127.0.0.1, each process started with the environment
+torchrun / accelerate launch set) train the same adapter as one process with the same global batch and
+seed: max abs difference <= 1e-5 in float32. ``benchmarks/perf/weights_distributed.py`` runs the real
+``accelerate launch`` command."""
 
 from __future__ import annotations
 
