@@ -81,8 +81,43 @@ class FakeRollouts:
         return rollouts
 
 
+def _launched_compile(folder: Path, lora: Any) -> dict[str, Any]:
+    """SFT through ``flowopt.compile`` with a run folder (rank 0 writes it), then the same compile resumed."""
+    import flowopt
+    from flowopt.lm.local import LocalLM
+    from flowopt.modules import Predict
+    from flowopt.optimizers.weights import BootstrapFinetune
+    from flowopt.optimizers.weights.distributed import current_world
+    from flowopt.optimizers.weights.tiny import tiny_causal_lm
+
+    world = current_world()
+    if world.is_main:  # a model on disk, so the run folder can name the workflow's LM
+        model, tokenizer = tiny_causal_lm(WORDS, seed=0)
+        model.save_pretrained(folder / "model")
+        tokenizer.save_pretrained(folder / "model")
+    world.barrier()
+    local = LocalLM(str(folder / "model"), name="tiny", device="cpu", dtype="float32", max_new_tokens=4,
+                    progress=False)
+    wf = flowopt.Workflow("noise, cue -> word", name="cue-word")
+    wf.add("solve", Predict(dspy.Signature("noise, cue -> word", "Answer.")), lm="default")
+    wf.lms["default"] = local.lm
+    train, val = cue_word.make_examples(8, seed=5), cue_word.make_examples(4, seed=6)
+    rows = []
+    try:
+        for again in (False, True):
+            best = flowopt.compile(wf, train, cue_word.metric, valset=val, quiet=True, run_dir=folder / "run",
+                                   stages=[BootstrapFinetune(lora=lora, **{**SFT, "epochs": 1})], resume=again,
+                                   num_threads=2)
+            rows.append(best.report.stages[-1].to_dict())
+            world.barrier()  # as between two launches: rank 0 has written the run folder
+    finally:
+        local.close()
+    return {"resumed": [row.get("resumed", False) for row in rows], "info": rows[0]["info"]}
+
+
 def run(kind: str, out: Path, *, resume: bool = True) -> dict[str, Any]:
-    """Train ``kind`` ("sft" or "grpo") in this process (one of N when launched); returns what it recorded.
+    """Train ``kind`` ("sft", "grpo" or "compile": SFT through ``flowopt.compile``) in this process (one
+    of N when launched); returns what it recorded.
 
     GRPO runs 2 steps then resumes to 3 (``resume=False``: 3 steps at once).
     """
@@ -98,6 +133,8 @@ def run(kind: str, out: Path, *, resume: bool = True) -> dict[str, Any]:
                 ctx = _ctx(cue_word.make_examples(9, seed=5), out / kind, stage_name="finetune")
                 BootstrapFinetune(lora=lora, **SFT).run(_program(local), ctx)
                 return {"info": ctx.info}
+            if kind == "compile":
+                return _launched_compile(out / kind, lora)
             fake = FakeRollouts()
             trainset = cue_word.make_examples(12, seed=7)
             calls = []

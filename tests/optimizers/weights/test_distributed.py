@@ -90,6 +90,15 @@ def test_two_processes_train_the_adapters_one_process_trains(tmp_path):
     assert grpo_two["info"]["processes"] == 2
 
 
+@pytest.mark.slow
+def test_a_launched_compile_writes_its_run_folder_once_and_resumes(tmp_path):
+    compiled = _launch(["compile"], tmp_path)["compile"]
+    # Rank 1 did not take rank 0's fresh manifest for a leftover run (it would have stopped with an error),
+    # and on resume both skipped the finished stage (one running it alone would wait for the other forever).
+    assert compiled["resumed"] == [False, True] and compiled["info"]["pairs"] == 8
+    assert (tmp_path / "compile" / "run" / "program.json").is_file()
+
+
 def test_world_shares_are_contiguous_and_cover_every_item():
     shares = [World(rank, 3).share(8) for rank in range(3)]
     assert [list(s) for s in shares] == [[0, 1, 2], [3, 4, 5], [6, 7]]
