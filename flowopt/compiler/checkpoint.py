@@ -132,15 +132,19 @@ def _is_json(value: Any) -> bool:
 
 
 class RunFolder:
-    """Reads and writes one compile run folder (atomic writes only)."""
+    """Reads and writes one compile run folder (atomic writes only).
 
-    def __init__(self, path: str | Path, *, resume: bool, fingerprint: dict[str, Any]) -> None:
+    ``writer=False`` (a launched process other than rank 0) only reads: rank 0 writes for every process.
+    """
+
+    def __init__(self, path: str | Path, *, resume: bool, fingerprint: dict[str, Any], writer: bool = True) -> None:
         self.path = Path(path)
         self.resume = resume
         self.fingerprint = fingerprint
+        self.writer = writer
         self.manifest_path = self.path / "compile.json"
         self.manifest: dict[str, Any] = {}
-        if self.manifest_path.exists():
+        if self.manifest_path.exists() and (resume or writer):  # rank 0 may have written it in this very run
             if not resume:
                 raise ConfigError(f"run_dir {self.path} already holds a compile run",
                                   fix="pass resume=True to continue it, or use a new (or emptied) run_dir")
@@ -160,6 +164,8 @@ class RunFolder:
         return path
 
     def write_manifest(self) -> None:
+        if not self.writer:
+            return
         atomic_write_json(self.manifest_path, seal(self.manifest))
 
     def baseline(self) -> dict[str, Any] | None:
@@ -178,14 +184,20 @@ class RunFolder:
         return read_sealed(path)
 
     def save_finished(self, index: int, name: str, program: Any | None, row: dict[str, Any]) -> None:
+        if not self.writer:
+            return
         data = {"row": row, "program": None if program is None else program_to_data(program)}
         atomic_write_json(self.stage_dir(index, name) / "output.json", seal(data))
 
     def save_report(self, report: dict[str, Any]) -> None:
+        if not self.writer:
+            return
         atomic_write_json(self.path / "report.json", report)
 
     def save_program(self, program: Any) -> Path:
         path = self.path / "program.json"
+        if not self.writer:
+            return path
         if _is_workflow(program):
             program.save(path)
         else:

@@ -19,6 +19,7 @@ from flowopt.compiler.context import StageContext
 from flowopt.compiler.data import check_examples, split_trainset
 from flowopt.compiler.evaluate import EvalResult, Evaluator, example_key, program_key
 from flowopt.compiler.integrity import check_run_dir
+from flowopt.compiler.processes import launched_processes
 from flowopt.compiler.report import CompileReport, StageReport
 from flowopt.compiler.stage import Stage
 from flowopt.compiler.stages import StageSpec, resolve_stages
@@ -101,6 +102,13 @@ def compile(
         val_source = "given"
 
     stage_names = [s.name or type(s).__name__ for s in stage_objs]
+    rank, processes = launched_processes()
+    alone = [n for n, s in zip(stage_names, stage_objs) if not s.multi_process]
+    if processes > 1 and alone:
+        raise ConfigError(f"compile was launched on {processes} processes, but stages {alone} run in one process "
+                          "(every process would repeat them and write the same run folder)",
+                          fix="compile those stages in one process first, then launch only the weights stages "
+                              "(finetune, grpo) on the program it returns")
     fingerprint = {
         "program": program_key(program, include_lms=False),
         "trainset": _digest(example_key(e) for e in train),
@@ -109,7 +117,8 @@ def compile(
         "stages": [{"name": n, "settings": s.settings()} for n, s in zip(stage_names, stage_objs)],
         "seed": seed,
     }
-    folder = RunFolder(run_dir, resume=resume, fingerprint=fingerprint) if run_dir is not None else None
+    folder = (RunFolder(run_dir, resume=resume, fingerprint=fingerprint, writer=rank == 0)
+              if run_dir is not None else None)
     if folder is not None:
         folder.write_manifest()
 

@@ -20,6 +20,9 @@ simplest way is to make the stage class itself that dataclass::
 
 A stage that hits the budget catches :class:`~flowopt.errors.BudgetExhausted`, returns its best
 program so far and records ``stop_reason`` (``ctx.record(stop_reason="budget: max_lm_calls")``).
+
+A stage that shares its work among launched processes (``accelerate launch``, ``torchrun``) says so
+with ``multi_process = True``; compile refuses the others there, since every process would repeat them.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class Stage(abc.ABC):
     """
 
     name: ClassVar[str] = ""
+    multi_process: ClassVar[bool] = False  # splits its work among launched processes (the weights stages)
 
     @abc.abstractmethod
     def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:

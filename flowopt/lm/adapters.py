@@ -223,6 +223,12 @@ class AdapterSet:
             self._adapters[name]["path"] = str(target.resolve())
             return target
 
+    def mark_saved(self, path: str | os.PathLike[str], name: str | None = None) -> None:
+        """Record that adapter ``name``'s current weights are on disk at ``path``, written by another
+        process holding the same weights (rank 0 of a distributed run saves for every rank)."""
+        with self.lock:
+            self._adapters[self._check_name(name or self._default)]["path"] = str(Path(path).resolve())
+
     def adapter_path(self, name: str | None = None) -> Path | None:
         """The folder adapter ``name`` (default: the default one) was loaded from or last saved to; None
         while its weights exist only in memory (fresh, or trained since it was saved)."""

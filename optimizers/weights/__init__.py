@@ -1,5 +1,6 @@
 """Weights stages: ``BootstrapFinetune`` (LoRA SFT on teacher traces) and ``GRPO`` (RL on whole-program
-rollouts), trained in process on a local transformers model (CPU for small models, CUDA bf16 when present).
+rollouts), trained in process on a local transformers model (CPU for small models, CUDA bf16 when present),
+or data parallel on N launched processes (``accelerate launch -m flowopt.optimizers.weights``, :mod:`.distributed`).
 
 Importing this package is cheap: torch, transformers and peft load when a stage runs.
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import dspy
 
-from flowopt.optimizers.weights.policy import LoraSettings, Policy
+from flowopt.optimizers.weights.distributed import SINGLE, World
+from flowopt.optimizers.weights.policy import LoraSettings, Policy, adapter_sha256
 from flowopt.optimizers.weights.student import attach, find_local
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,13 @@ def adapter_name(stage: str, ctx: Any) -> str:
     return (getattr(ctx, "stage_name", "") or stage).replace("/", "-")
 
 
-def finish(program: dspy.Module, policy: Policy, ctx: Any, stage: str) -> tuple[dspy.Module, dict[str, Any]]:
-    """Save the adapter (under the stage's run folder, else a temporary folder) and bind it to the program."""
+def finish(program: dspy.Module, policy: Policy, ctx: Any, stage: str,
+           world: World = SINGLE) -> tuple[dspy.Module, dict[str, Any]]:
+    """Save the adapter (under the stage's run folder, else a temporary folder) and bind it to the program.
+
+    With several processes rank 0 writes it (every rank holds the same weights) and the others wait,
+    then record its folder as where their adapter is saved.
+    """
     import tempfile
 
     if ctx.run_dir is not None:
@@ -69,9 +75,15 @@ def finish(program: dspy.Module, policy: Policy, ctx: Any, stage: str) -> tuple[
         parent = Path(ctx.run_dir).parent
         run_root = parent.parent if parent.name == "stages" else parent
     else:
-        folder = Path(tempfile.mkdtemp(prefix=f"flowopt-{stage}-")) / "adapter"
+        folder = Path(world.broadcast(tempfile.mkdtemp(prefix=f"flowopt-{stage}-") if world.is_main else None))
+        folder = folder / "adapter"
         run_root = None
-    folder, sha = policy.save_adapter(folder)
+    if world.is_main:
+        folder, sha = policy.save_adapter(folder)
+    world.barrier()
+    if not world.is_main:
+        sha = adapter_sha256(folder)
+        policy.local.mark_saved(folder, policy.adapter)
     if policy.adapter is None:
         raise RuntimeError(f"{stage}: no adapter was trained, so there is none to attach")
     attach(program, policy.local, policy.adapter, adapter_dir=folder, sha256=sha, run_root=run_root)

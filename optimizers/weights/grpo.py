@@ -7,6 +7,11 @@ group-relative advantages, give each rollout's advantage to every one of its tra
 run folder every ``checkpoint_every`` steps; ``resume=True`` continues from the last one. With
 ``rollout_server`` the rollouts are sampled by an inference server instead, the adapter pushed to it
 before every step (:mod:`flowopt.optimizers.weights.served`).
+
+Launched on N processes (``accelerate launch``), every rank draws the same examples, samples its
+contiguous share of the ``batch_size x group_size`` rollouts, and the rewards are gathered so each
+group's advantages use all of its members; the update sums the gradients across ranks and rank 0
+writes the checkpoints and the adapter (:mod:`.distributed`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from flowopt.compiler.stage import Stage
 from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.optimizers.weights.advantages import SCALINGS, Scaling, group_advantages
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter, torch_generator
+from flowopt.optimizers.weights.distributed import World, agree_on_budget, current_world
 from flowopt.optimizers.weights.learner import GRPOLearner, ScoredTransition
 from flowopt.optimizers.weights.loss import AGGREGATIONS
 from flowopt.optimizers.weights.optim import SCHEDULES
@@ -62,6 +68,7 @@ class GRPO(Stage):
     """
 
     name: ClassVar[str] = "grpo"
+    multi_process: ClassVar[bool] = True
 
     student: Any = None
     steps: int = 20
@@ -108,6 +115,15 @@ class GRPO(Stage):
     def run(self, program: dspy.Module, ctx: Any) -> dspy.Module:
         if not ctx.trainset:
             raise ConfigError("GRPO needs training examples, the trainset is empty", fix="pass a non-empty trainset")
+        world = current_world()
+        world.check_divisible(self.batch_size * self.group_size, "GRPO's batch_size x group_size (rollouts a step)",
+                              fix=f"pick batch_size and group_size whose product is a multiple of the {world.size} "
+                                  "processes")
+        if self.rollout_server is not None and world.distributed:
+            # One server holds one pushed adapter per step; N ranks pushing their own copies would race.
+            raise ConfigError("GRPO(rollout_server=...) runs in one process, but this compile was launched on "
+                              f"{world.size} processes",
+                              fix="launch one process when sampling on an inference server, or drop rollout_server")
         policy, start_from = resolve_policy(self.student, program, self.lora)
         name = adapter_name(self.name, ctx)
         init_from = start_from if start_from != name else None
@@ -120,7 +136,7 @@ class GRPO(Stage):
             gradient_checkpointing=self.gradient_checkpointing,
             # KL to the policy the stage starts from: after BootstrapFinetune that is the fine-tuned adapter
             # (a KL to the base model would pull the student back from what it learned).
-            reference_adapter=init_from)
+            reference_adapter=init_from, world=world)
         curve: list[dict[str, Any]] = []
         first = self._resume(ctx, policy, learner, curve)
         adapter = rollout_adapter(self.adapter, policy)
@@ -133,12 +149,11 @@ class GRPO(Stage):
         if served is not None:
             served.start()
         # One set of rollout threads for the whole run (B x G of them wait together in every step).
-        pool = ThreadPoolExecutor(max_workers=self.batch_size * self.group_size, thread_name_prefix="flowopt-rollout")
+        pool = ThreadPoolExecutor(max_workers=len(world.share(self.batch_size * self.group_size)),
+                                  thread_name_prefix="flowopt-rollout")
         try:
             for step in range(first, self.steps):
-                ctx.budget.check()
-                with ctx.budget.guard():
-                    point = self._step(step, program, ctx, policy, learner, adapter, pool, served=served)
+                point = self._step(step, program, ctx, policy, learner, adapter, pool, world, served)
                 curve.append(point)
                 ctx.logger.info("grpo step %d/%d: reward %.3f (+/- %.3f), loss %.4f, failures %d",
                                 step + 1, self.steps, point["mean_reward"], point["reward_std"], point["loss"],
@@ -147,7 +162,7 @@ class GRPO(Stage):
                     progress.update(1)
                     progress.set_postfix(reward=f"{point['mean_reward']:.3f}")
                 if self.checkpoint_every and (step + 1) % self.checkpoint_every == 0 and step + 1 < self.steps:
-                    self._checkpoint(ctx, policy, learner, curve, step + 1)
+                    self._checkpoint(ctx, policy, learner, curve, step + 1, world)
         except BudgetExhausted as err:
             stop_reason = f"budget: {err.limit}"
             ctx.logger.info("grpo: budget exhausted after %d steps (%s)", len(curve), err.limit)
@@ -157,54 +172,86 @@ class GRPO(Stage):
                 served.close()
             if progress is not None:
                 progress.close()
-        program, info = finish(program, policy, ctx, self.name)
+        if ctx.run_dir is not None and curve:  # before finish(), whose barrier makes it visible to every rank
+            self._checkpoint(ctx, policy, learner, curve, len(curve), world)
+        program, info = finish(program, policy, ctx, self.name, world)
         info.update(stop_reason=stop_reason, steps_done=len(curve), reward_curve=curve,
-                    train_seconds=round(time.monotonic() - started, 2))
+                    train_seconds=round(time.monotonic() - started, 2), processes=world.size)
         if served is not None:
             info.update(served.report())
-        if self.plot and ctx.run_dir is not None and curve:
+        if self.plot and ctx.run_dir is not None and curve and world.is_main:
             from flowopt.optimizers.weights.plot import plot_reward_curve
 
             info["reward_plot"] = str(plot_reward_curve(curve, Path(ctx.run_dir) / "reward_curve.png"))
-        if ctx.run_dir is not None and curve:
-            self._checkpoint(ctx, policy, learner, curve, len(curve))
         ctx.record(**info)
         return program
 
     def _step(self, step: int, program: dspy.Module, ctx: Any, policy: Policy, learner: GRPOLearner,
-              adapter: Any, pool: ThreadPoolExecutor, served: ServedRollouts | None = None) -> dict[str, Any]:
+              adapter: Any, pool: ThreadPoolExecutor, world: World,
+              served: ServedRollouts | None = None) -> dict[str, Any]:
         import torch
 
         t0 = time.monotonic()
-        # Each step's draw depends only on (seed, step), so a resumed run repeats the one it continues.
+        # Each step's draw depends only on (seed, step), so a resumed run repeats the one it continues
+        # and every rank draws the same examples.
         rng = random.Random(f"{ctx.seed}:grpo:{step}")
         examples = [ctx.trainset[i] for i in _draw(rng, len(ctx.trainset), self.batch_size)]
+        seed = rng.getrandbits(63)
+        served_seed = rng.getrandbits(63)  # the server's sampling seed for this step
         if served is not None:
             served.push(step)  # the server samples this step's rollouts with the weights as they are now
-        rollouts = run_rollouts(program, examples, self.group_size, policy, temperature=self.temperature,
-                                max_new_tokens=self.max_new_tokens,
-                                generator=torch_generator(policy, rng.getrandbits(63)), adapter=adapter, pool=pool,
-                                served=served, seed=rng.getrandbits(63))
+        error: BudgetExhausted | None = None
+        rollouts: list[Rollout] = []
+        mine: list[tuple[float, float | None, bool]] = []
+        try:
+            ctx.budget.check()
+            with ctx.budget.guard():  # a metric may call an LM too
+                rollouts = self._rollouts(program, examples, policy, adapter, pool, world, seed,
+                                          served=served, served_seed=served_seed)
+                mine = [(score_rollout(r, ctx.metric, node_rewards=self.node_rewards,
+                                       format_penalty=self.format_penalty), r.score, r.error is not None)
+                        for r in rollouts]
+        except BudgetExhausted as err:
+            error = err
+        agree_on_budget(world, error)  # every rank stops together
         t1 = time.monotonic()
-        rewards = torch.tensor([score_rollout(r, ctx.metric, node_rewards=self.node_rewards,
-                                              format_penalty=self.format_penalty) for r in rollouts])
+        every = [row for share in world.gather_objects(mine) for row in share]  # the whole batch, in order
+        rewards = torch.tensor([reward for reward, _, _ in every])
         advantages = group_advantages(rewards.view(len(examples), self.group_size), self.scaling).flatten()
-        items = _scored_transitions(rollouts, advantages.tolist())
+        share = world.share(len(every))
+        items = _scored_transitions(rollouts, advantages[share.start:share.stop].tolist())
         stats = learner.update(items)
         t2 = time.monotonic()
-        scores = [r.score for r in rollouts if r.score is not None]
+        scores = [score for _, score, _ in every if score is not None]
         point = {"step": step + 1, "mean_reward": float(rewards.mean()), "reward_std": float(rewards.std()),
                  "mean_score": sum(scores) / len(scores) if scores else 0.0,
-                 "format_failures": sum(r.error is not None for r in rollouts),
+                 "format_failures": sum(failed for _, _, failed in every),
                  "rollout_s": round(t1 - t0, 3), "update_s": round(t2 - t1, 3), "step_s": round(t2 - t0, 3),
-                 "completion_tokens": sum(len(t.completion_ids) for t in items)}
+                 "completion_tokens": stats.tokens}
         point.update({k: v for k, v in dataclasses.asdict(stats).items()})
         return point
 
+    def _rollouts(self, program: dspy.Module, examples: list[Any], policy: Policy, adapter: Any,
+                  pool: ThreadPoolExecutor, world: World, seed: int, served: ServedRollouts | None = None,
+                  served_seed: int = 0) -> list[Rollout]:
+        """This rank's rollouts: all ``len(examples) x group_size`` on one process, else its contiguous
+        share of them (each run once), sampled from a stream of its own."""
+        options = {"temperature": self.temperature, "max_new_tokens": self.max_new_tokens, "adapter": adapter,
+                   "pool": pool}
+        if not world.distributed:
+            return run_rollouts(program, examples, self.group_size, policy,
+                                generator=torch_generator(policy, seed), served=served, seed=served_seed, **options)
+        share = world.share(len(examples) * self.group_size)
+        mine = [examples[k // self.group_size] for k in share]
+        # A stream per rank: the same draws everywhere would give a group's members on two ranks equal samples.
+        rank_seed = random.Random(f"{seed}:rank:{world.rank}").getrandbits(63)
+        return run_rollouts(program, mine, 1, policy, generator=torch_generator(policy, rank_seed), **options)
+
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, ctx: Any, policy: Policy, learner: GRPOLearner, curve: list[dict[str, Any]],
-                    step: int) -> None:
-        if ctx.run_dir is None:
+                    step: int, world: World) -> None:
+        """Rank 0 writes the checkpoint (every rank holds the same adapter and optimizer state)."""
+        if ctx.run_dir is None or not world.is_main:
             return
         import io
         import shutil

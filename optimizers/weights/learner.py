@@ -11,6 +11,10 @@ sampler's: the sampler runs without gradients, in inference mode and possibly in
 and its log-probs differ from the training forward's (on Gemma 3 270M in bf16 by up to 0.14), which
 would rescale every token's gradient on the first pass. The first-pass ratio is therefore exactly 1;
 later passes compare with it. The gap between the two is reported (``sampler_logprob_gap``).
+
+With several processes (``world``) each rank updates on its share of the rollouts: the weights use
+the whole batch's token and rollout counts, the gradients are summed across ranks before clipping, and
+the reported numbers are the whole batch's.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 from flowopt.lm.packing import PackedBatch, pack
 from flowopt.lm.scoring import completion_logprobs
+from flowopt.optimizers.weights.distributed import SINGLE, World
 from flowopt.optimizers.weights.loss import aggregate, sequence_weights, token_loss
 from flowopt.optimizers.weights.optim import make_optimizer
 from flowopt.optimizers.weights.policy import Policy
@@ -79,8 +84,10 @@ class GRPOLearner:
                  lr_schedule: str = "constant", warmup_steps: int = 0, epsilon: float = 0.2,
                  epsilon_high: float | None = None, beta: float = 0.0, aggregation: str = "dapo", passes: int = 1,
                  micro_batch_size: int = 8, max_grad_norm: float | None = 1.0, temperature: float = 1.0,
-                 gradient_checkpointing: bool = False, reference_adapter: str | None = None) -> None:
+                 gradient_checkpointing: bool = False, reference_adapter: str | None = None,
+                 world: World = SINGLE) -> None:
         self.policy = policy
+        self.world = world
         self.epsilon, self.epsilon_high, self.beta = epsilon, epsilon_high, beta
         self.aggregation, self.passes, self.micro = aggregation, passes, micro_batch_size
         self.max_grad_norm, self.temperature = max_grad_norm, temperature
@@ -91,13 +98,14 @@ class GRPOLearner:
             self.params, lr=learning_rate, weight_decay=weight_decay,
             total_steps=total_steps * passes, warmup=warmup_steps, schedule=lr_schedule)  # type: ignore[arg-type]
 
-    def _micro_batches(self, items: Sequence[ScoredTransition]) -> list[_Micro]:
+    def _micro_batches(self, items: Sequence[ScoredTransition], batch_tokens: int,
+                       batch_rollouts: int) -> list[_Micro]:
         import torch
 
         device = self.policy.device
-        rollouts = [t.rollout if t.rollout >= 0 else -1 - i for i, t in enumerate(items)]
-        weights = sequence_weights([len(t.completion_ids) for t in items], rollouts,
-                                   self.aggregation)  # type: ignore[arg-type]
+        rollouts = self._rollout_ids(items)
+        weights = sequence_weights([len(t.completion_ids) for t in items], rollouts, self.aggregation,  # type: ignore[arg-type]
+                                   batch_tokens=batch_tokens, batch_rollouts=batch_rollouts)
         # Similar lengths together: less padding in every forward pass.
         order = sorted(range(len(items)), key=lambda i: (len(items[i].prompt_ids) + len(items[i].completion_ids)))
         micros = []
@@ -113,14 +121,22 @@ class GRPOLearner:
             micros.append(_Micro(batch.to(device), sampler.to(device), advantages.to(device), micro_weights.to(device)))
         return micros
 
+    @staticmethod
+    def _rollout_ids(items: Sequence[ScoredTransition]) -> list[int]:
+        return [t.rollout if t.rollout >= 0 else -1 - i for i, t in enumerate(items)]
+
     def update(self, items: Sequence[ScoredTransition]) -> UpdateStats:
-        """Run ``passes`` optimizer steps on ``items``; skipped (no step) when there is nothing to learn."""
+        """Run ``passes`` optimizer steps on ``items`` (this rank's share); skipped (no step) when there is
+        nothing to learn in the whole batch."""
         import torch
 
+        world = self.world
         items = [t for t in items if t.completion_ids]
-        stats = UpdateStats(transitions=len(items), tokens=sum(len(t.completion_ids) for t in items),
-                            lr=float(self.scheduler.get_last_lr()[0]))
-        if not items or (self.beta == 0.0 and all(t.advantage == 0.0 for t in items)):
+        learnable = bool(items) and (self.beta != 0.0 or any(t.advantage != 0.0 for t in items))
+        n_items, n_tokens, n_rollouts, n_learnable = world.sum_floats(
+            [len(items), sum(len(t.completion_ids) for t in items), len(set(self._rollout_ids(items))), learnable])
+        stats = UpdateStats(transitions=int(n_items), tokens=int(n_tokens), lr=float(self.scheduler.get_last_lr()[0]))
+        if not n_learnable:
             # Every advantage is 0 and there is no KL term: the loss and its gradient are exactly 0.
             stats.skipped = True
             with warnings.catch_warnings():  # the schedule counts steps, taken or skipped
@@ -129,7 +145,7 @@ class GRPOLearner:
                     self.scheduler.step()
             return stats
         policy = self.policy
-        micros = self._micro_batches(items)
+        micros = self._micro_batches(items, stats.tokens, int(n_rollouts))
         total_tokens = stats.tokens
         with policy.lock:
             model = policy.model
@@ -156,14 +172,17 @@ class GRPOLearner:
                         clip_high += float((tl.clipped_high * mask).sum())
                         if tl.kl is not None:
                             kl_sum += float((tl.kl * mask).sum())
+                    world.sum_gradients(self.params)
                     norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or float("inf"))
                     self.optimizer.step()
                     self.scheduler.step()
+                    loss_sum, clip_low, clip_high, kl_sum = world.sum_floats([loss_sum, clip_low, clip_high, kl_sum])
                     stats.loss, stats.grad_norm = loss_sum, float(norm)
                     stats.clip_low, stats.clip_high = clip_low / total_tokens, clip_high / total_tokens
                     stats.kl = kl_sum / total_tokens
             self.optimizer.zero_grad(set_to_none=True)
             policy.weights_changed()
+        stats.sampler_logprob_gap = world.sum_floats([stats.sampler_logprob_gap])[0]
         return stats
 
     def state_dict(self) -> dict[str, Any]:

@@ -89,11 +89,14 @@ def token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.T
                      clipped_high=(r > 1 + epsilon_high) & (advantages > 0), kl=kl)
 
 
-def sequence_weights(token_counts: Sequence[int], rollouts: Sequence[int], aggregation: Aggregation) -> list[float]:
+def sequence_weights(token_counts: Sequence[int], rollouts: Sequence[int], aggregation: Aggregation, *,
+                     batch_tokens: int | None = None, batch_rollouts: int | None = None) -> list[float]:
     """The weight of each sequence's token sum in the loss of a whole batch.
 
     ``rollouts[i]`` names the rollout sequence ``i`` (one LM call) belongs to. ``"grpo"``: 1 / (tokens of
-    its rollout x number of rollouts); ``"dapo"``: 1 / (tokens of the batch).
+    its rollout x number of rollouts); ``"dapo"``: 1 / (tokens of the batch). When the sequences are one
+    process's share of the batch (whole rollouts each), ``batch_tokens`` / ``batch_rollouts`` give the
+    whole batch's counts.
 
     Example:
         >>> sequence_weights([2, 2, 4], [0, 0, 1], "grpo")  # rollout 0: two calls of 2 tokens; rollout 1: one of 4
@@ -104,12 +107,13 @@ def sequence_weights(token_counts: Sequence[int], rollouts: Sequence[int], aggre
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
     if aggregation == "dapo":
-        total = max(1, sum(token_counts))
+        total = max(1, sum(token_counts) if batch_tokens is None else batch_tokens)
         return [1.0 / total] * len(token_counts)
     per_rollout: dict[int, int] = {}
     for count, rollout in zip(token_counts, rollouts):
         per_rollout[rollout] = per_rollout.get(rollout, 0) + count
-    return [1.0 / (max(1, per_rollout[r]) * len(per_rollout)) for r in rollouts]
+    n_rollouts = len(per_rollout) if batch_rollouts is None else batch_rollouts
+    return [1.0 / (max(1, per_rollout[r]) * n_rollouts) for r in rollouts]
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation = "grpo", *,

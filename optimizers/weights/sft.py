@@ -6,6 +6,8 @@ LM) runs on the trainset; every predictor call of a run that passes the metric b
 student with the loss on completion tokens only; the adapter is saved under the stage's run folder
 and every predictor of the returned program uses the student with it. With ``labels="only"`` the gold
 labels are the teacher (:func:`.traces.label_pairs`); ``labels="mix"`` adds them to the passing traces.
+Launched on N processes (``accelerate launch``), the teacher runs and every step's batch are split
+across them and the gradients summed (:mod:`.distributed`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.lm.packing import pack
 from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter
+from flowopt.optimizers.weights.distributed import SINGLE, World, agree_on_budget, current_world
 from flowopt.optimizers.weights.optim import SCHEDULES, make_optimizer
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
 from flowopt.optimizers.weights.traces import TraceStats, label_pairs, teacher_pairs
@@ -35,11 +38,14 @@ logger = logging.getLogger(__name__)
 def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, epochs: int = 3,
               learning_rate: float = 2e-4, batch_size: int = 8, micro_batch_size: int = 8,
               lr_schedule: str = "linear", warmup_steps: int = 0, weight_decay: float = 0.0,
-              max_grad_norm: float | None = 1.0, seed: int = 0, gradient_checkpointing: bool = False) -> list[float]:
+              max_grad_norm: float | None = 1.0, seed: int = 0, gradient_checkpointing: bool = False,
+              world: World = SINGLE) -> list[float]:
     """Train the policy's active adapter on ``(prompt_ids, completion_ids)`` pairs; returns the loss per step.
 
     The loss is the mean negative log-likelihood over the batch's completion tokens (prompt and padding
     tokens masked out); micro-batches accumulate into one optimizer step per ``batch_size`` pairs.
+    With several processes (``world``) every rank holds all pairs and draws the same order; each takes
+    its share of every batch, divides by the whole batch's token count, and the gradients are summed.
     """
     import torch
 
@@ -58,15 +64,18 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
                 for start in range(0, len(order), batch_size):
                     batch = [pairs[i] for i in order[start:start + batch_size]]
                     total_tokens = sum(len(c) for _, c in batch)
+                    mine = [batch[i] for i in world.share(len(batch))]
                     optimizer.zero_grad(set_to_none=True)
                     step_loss = 0.0
-                    for m in range(0, len(batch), micro_batch_size):
-                        micro = batch[m:m + micro_batch_size]
+                    for m in range(0, len(mine), micro_batch_size):
+                        micro = mine[m:m + micro_batch_size]
                         packed = pack([p for p, _ in micro], [c for _, c in micro], policy.pad_id).to(policy.device)
                         logps = completion_logprobs(model, packed)
                         loss = -(logps * packed.completion_mask).sum() / total_tokens
                         loss.backward()
                         step_loss += float(loss.detach())
+                    world.sum_gradients(policy.trainable_parameters())
+                    step_loss = world.sum_floats([step_loss])[0]
                     torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), max_grad_norm or float("inf"))
                     optimizer.step()
                     scheduler.step()
@@ -98,6 +107,7 @@ class BootstrapFinetune(Stage):
     """
 
     name: ClassVar[str] = "finetune"
+    multi_process: ClassVar[bool] = True
 
     student: Any = None
     teacher: Any = None
@@ -140,6 +150,9 @@ class BootstrapFinetune(Stage):
         if not ctx.trainset:
             raise ConfigError("BootstrapFinetune needs training examples, the trainset is empty",
                               fix="pass a non-empty trainset")
+        world = current_world()
+        world.check_divisible(self.batch_size, "BootstrapFinetune batch_size",
+                              fix=f"pass a batch_size that is a multiple of the {world.size} processes")
         policy, _ = resolve_policy(self.student, program, self.lora)
         adapter = rollout_adapter(self.adapter, policy)
         started = time.monotonic()
@@ -148,10 +161,7 @@ class BootstrapFinetune(Stage):
             n_labels = len(pairs)
             stats = TraceStats()
             if self.labels != "only":
-                with ctx.budget.guard():
-                    traced, stats = teacher_pairs(self._teacher(program), ctx.trainset, ctx.metric, adapter,
-                                                  metric_threshold=self.metric_threshold,
-                                                  num_threads=getattr(ctx, "num_threads", 8))
+                traced, stats = self._traces(program, ctx, adapter, world)
                 pairs += traced
         except BudgetExhausted as err:
             ctx.record(stop_reason=f"budget: {err.limit}")
@@ -175,11 +185,35 @@ class BootstrapFinetune(Stage):
                            batch_size=self.batch_size, micro_batch_size=self.micro_batch_size,
                            lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps,
                            weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=ctx.seed,
-                           gradient_checkpointing=self.gradient_checkpointing)
+                           gradient_checkpointing=self.gradient_checkpointing, world=world)
         ctx.logger.info("finetune: %d pairs, %d steps, loss %.4f -> %.4f", len(data), len(losses), losses[0],
                         losses[-1])
-        program, saved = finish(program, policy, ctx, self.name)
+        program, saved = finish(program, policy, ctx, self.name, world)
         info.update(saved, stop_reason="done", loss_curve=[round(x, 5) for x in losses],
                     trace_seconds=round(trace_seconds, 2), train_seconds=round(time.monotonic() - t0, 2))
         ctx.record(**info)
         return program
+
+    def _traces(self, program: dspy.Module, ctx: Any, adapter: Any, world: World) -> tuple[list[Any], TraceStats]:
+        """The teacher's passing pairs; with several processes each runs a contiguous share of the trainset
+        and the pairs are gathered in rank order (the order one process would produce)."""
+        examples = [ctx.trainset[i] for i in world.share(len(ctx.trainset))]
+        error: BudgetExhausted | None = None
+        traced: list[Any] = []
+        stats = TraceStats()
+        try:
+            with ctx.budget.guard():
+                traced, stats = teacher_pairs(self._teacher(program), examples, ctx.metric, adapter,
+                                              metric_threshold=self.metric_threshold,
+                                              num_threads=getattr(ctx, "num_threads", 8))
+        except BudgetExhausted as err:
+            error = err
+        agree_on_budget(world, error)
+        if not world.distributed:
+            return traced, stats
+        shares = world.gather_objects((traced, stats))
+        total = TraceStats()
+        for _, part in shares:
+            total.runs, total.passed = total.runs + part.runs, total.passed + part.passed
+            total.failed_runs, total.pairs = total.failed_runs + part.failed_runs, total.pairs + part.pairs
+        return [pair for share, _ in shares for pair in share], total

@@ -92,6 +92,12 @@ def _local_lm_cuda(r: dict[str, Any]) -> None:
     assert r["batch_sizes"][-1] > 1  # the 8 concurrent callers were batched
 
 
+def _weights_distributed(r: dict[str, Any]) -> None:
+    # Gold-label SFT on 2 processes trains the 1-process adapter.
+    assert r["finetune"]["max_abs_difference"] <= 1e-5 and r["finetune"]["largest_lora_B"] > 0
+    assert r["grpo"]["processes_1"] == 1 and r["grpo"]["processes_2"] == 2
+
+
 # script -> (modules it needs beyond flowopt's dependencies, checks of its results)
 SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "workflow_overhead": ((), _workflow_overhead),
@@ -105,6 +111,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "llama_cpp_throughput": (("llama_cpp",), _llama_cpp_throughput),
     "local_lm_cuda": ((), _local_lm_cuda),
     "runtime_ab": (("trl",), _runtime_ab),
+    "weights_distributed": ((), _weights_distributed),
 }
 
 
