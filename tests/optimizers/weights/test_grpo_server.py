@@ -217,3 +217,15 @@ def test_a_server_that_returns_no_logprobs_stops_the_step_with_a_clear_error(wor
                                                       "token_ids": [4, 3]}]})
     with _fake_server(app) as base, pytest.raises(LMError, match="no log-probs for the sampled tokens"):
         _grpo(word_model_dir, task, tmp_path / "run", InferenceServer(base, adapter_dir=tmp_path / "adapters"))
+
+
+def test_server_rollouts_are_refused_on_a_launched_compile(word_model_dir, task, tmp_path, monkeypatch):
+    # N ranks would each push their own adapter to the one server: refused before any model work.
+    from flowopt.optimizers.weights import grpo
+    from flowopt.optimizers.weights.distributed import World
+
+    monkeypatch.setattr(grpo, "current_world", lambda: World(rank=0, size=2))
+    option = InferenceServer(f"http://127.0.0.1:{_free_port()}/v1", adapter_dir=tmp_path / "adapters")
+    with pytest.raises(ConfigError, match="launched on 2 processes") as err:
+        _grpo(word_model_dir, task, tmp_path / "run", option)
+    assert "launch one process" in str(err.value)
