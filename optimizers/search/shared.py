@@ -2,24 +2,32 @@
 
 The study holds the truth, and every step is safe against a worker killed at any moment:
 
-1. **Plan.** The first worker to create the lock study ``<study_name>:plan`` builds the search
-   space and enqueues every candidate (``n_candidates``, plus ``extra`` if it is an int) as a
-   WAITING trial whose user attrs hold its full definition (demos, instruction text, settings),
-   then writes the plan in the study. The others wait for it; if the planner's heartbeat stops,
-   one of them (chosen atomically) plans instead, adding only the candidates still missing.
+1. **Plan.** The first worker to create the lock study ``<study_name>:plan`` writes its settings in
+   the study, enqueues the candidates that need no LM call (incumbent, zero-shot, labeled-only),
+   then builds the search space and enqueues the rest (``n_candidates``, plus ``extra`` if it is an
+   int), each a WAITING trial whose user attrs hold its full definition (demos, instruction text,
+   settings), then writes the plan in the study. The others score the enqueued candidates meanwhile
+   (after checking their settings against the study's); if the planner's heartbeat stops, one of
+   them (chosen atomically) plans instead, adding only the candidates still missing.
 2. **Claim.** A worker records a heartbeat for a WAITING trial, then moves it to RUNNING; the storage
    does that under a row lock and refuses a trial another worker already took, so no candidate is
    claimed twice. ``study.ask()`` is not used: with nothing waiting it would make a trial from the
    sampler. As the heartbeat is recorded before the claim, a trial can never be RUNNING without one.
+   A candidate whose definition equals one already scored takes those stored scores.
 3. **Heartbeats.** A thread records one for every trial the worker holds, every ``heartbeat_s``.
 4. **Lost work.** Each worker fails stale trials (``optuna.storages.fail_stale_trials``: no heartbeat
    for ``stale_after_s``) and re-enqueues any candidate whose trials all failed; a one-time token per
    failed trial makes exactly one worker do that.
-5. **The answer.** A worker with nothing to claim waits until every candidate is scored (requeued
-   ones included). Then one worker picks the winner by the stage's own rule (finalists included)
-   and writes it in the study (lock study ``<study_name>:winner``, as for the plan); every worker
-   returns that candidate. Every wait ends after ``wait_timeout_s`` without progress with an error
-   that says what is stuck. A worker stopped by its own ``Budget`` returns its own pick so far.
+5. **The answer.** A worker with nothing to claim waits until the plan is complete and every
+   candidate is scored (requeued ones included). One worker picks the finalists (lock study
+   ``<study_name>:finalists``) and enqueues their re-scoring in ``<study_name>:finalist-scores``,
+   which all workers claim as above; then one worker picks the winner by the stage's own rule from
+   the stored scores and writes it in the study (``<study_name>:winner``); every worker returns that
+   candidate. Every wait ends after ``wait_timeout_s`` without progress with an error that says what
+   is stuck. A worker stopped by its own ``Budget`` returns its own pick so far.
+6. **The compiler's scores.** Each worker takes the winner's and the incumbent's stored valset scores
+   as its own (:meth:`~flowopt.compiler.Evaluator.remember`), so its final check of the winner and,
+   with ``search`` as the first stage, its baseline cost no LM call.
 
 Example:
     >>> from flowopt.optimizers.search import RandomSearch
@@ -109,7 +117,7 @@ class SharedWorker:
         self.order = list(ctx.valset)
         ctx.rng.shuffle(self.order)  # the same seed in every worker: the same order, comparable minibatches
         self._lost_since: dict[tuple[str, int], float] = {}  # (study, candidate) -> when first found lost
-        self._locks_seen: set[str] = set()  # lock studies known to exist (someone decides there)
+        self._locks_seen: dict[str, Any] = {}  # lock studies known to exist (someone decides there)
 
     def log(self, what: str) -> None:
         """A line of this worker's timeline (seconds since its search stage started)."""
@@ -178,8 +186,8 @@ class SharedWorker:
         if lock_name not in self._locks_seen:
             if once(self.storage, lock_name):
                 return True, self._decide(what, decide, optuna.load_study(study_name=lock_name, storage=self.storage))
-            self._locks_seen.add(lock_name)
-        lock_study = optuna.load_study(study_name=lock_name, storage=self.storage)
+            self._locks_seen[lock_name] = optuna.load_study(study_name=lock_name, storage=self.storage)
+        lock_study = self._locks_seen[lock_name]
         self._fail_stale(lock_study)
         leaders = lock_study.get_trials(deepcopy=False)
         leader_died = bool(leaders) and all(t.state == optuna.trial.TrialState.FAIL for t in leaders)
