@@ -104,7 +104,9 @@ def test_three_workers_one_killed_finish_every_candidate_once_and_agree(postgres
     assert by_victim >= 1 and sum(r["info"]["scored_here"] for r in results) == 12 - by_victim
 
 
-@pytest.mark.parametrize(("step", "stall_after_calls"), [("plan", 2), ("baseline", 7 + 3)])
+# The baseline case is slow-marked: the default suite's kill test above covers a kill mid-candidate.
+@pytest.mark.parametrize(("step", "stall_after_calls"),
+                         [("plan", 2), pytest.param("baseline", 7 + 3, marks=pytest.mark.slow)])
 def test_a_worker_killed_in_a_shared_step_is_replaced(postgres_url, tmp_path, step, stall_after_calls):
     """The planner hangs mid-plan (after 2 bootstrap calls), or holds the incumbent, whose scores are
     every worker's baseline (after the plan's 7 calls, 3 into it); it is killed while the others work."""
