@@ -134,9 +134,21 @@ def compile(
 
     with tracker.activate():
         best = clone_program(program)
-        baseline = _baseline_row(best, val, evaluator, tracker, folder)
-        report.stages.append(baseline)
-        best_score = baseline.score if baseline.score is not None else float("-inf")
+        start = best
+        baseline_score: list[float] = []
+
+        def score_baseline() -> float:
+            if not baseline_score:  # scored once, whoever asks first
+                baseline = _baseline_row(start, val, evaluator, tracker, folder)
+                report.stages.insert(0, baseline)
+                baseline_score.append(baseline.score if baseline.score is not None else float("-inf"))
+            return baseline_score[0]
+
+        # A first stage that scores its start itself (a shared search) is run before the baseline,
+        # which then comes from the scores it left: no second scoring of the same program.
+        deferred = bool(stage_objs) and stage_objs[0].scores_its_start() and (folder is None or (
+            folder.baseline() is None and folder.finished(0, stage_names[0]) is None))
+        best_score = float("-inf") if deferred else score_baseline()
         bar = tqdm(total=len(stage_objs), desc="compile", disable=quiet)
         try:
             for index, (name, stage) in enumerate(zip(stage_names, stage_objs)):
@@ -150,8 +162,10 @@ def compile(
                         best_score = row.score if row.score is not None else best_score
                     logger.info("stage %s: finished in an earlier run (score %s), skipped", name, row.score)
                 else:
-                    row, out = _run_stage(index, name, stage, best, best_score, train, val, metric, tracker,
+                    before = score_baseline if deferred and index == 0 else (lambda score=best_score: score)
+                    row, out = _run_stage(index, name, stage, best, before, train, val, metric, tracker,
                                           evaluator, folder, seed, resume, quiet, num_threads, shared)
+                    best_score = before()  # the deferred baseline is scored by now, whatever the stage did
                     if row.kept and out is not None:
                         best, best_score = out, row.score if row.score is not None else best_score
                     if folder is not None and not row.stop_reason.startswith("budget"):
@@ -202,7 +216,7 @@ def _baseline_row(program: Any, val: list[Any], evaluator: Evaluator, tracker: B
     return row
 
 
-def _run_stage(index: int, name: str, stage: Stage, best: Any, best_score: float, train: list[Any],
+def _run_stage(index: int, name: str, stage: Stage, best: Any, score_before: Callable[[], float], train: list[Any],
                val: list[Any], metric: Callable[..., Any], tracker: BudgetTracker, evaluator: Evaluator,
                folder: RunFolder | None, seed: int, resume: bool, quiet: bool, num_threads: int,
                shared: dict[str, Any]) -> tuple[StageReport, Any]:
@@ -243,6 +257,7 @@ def _run_stage(index: int, name: str, stage: Stage, best: Any, best_score: float
             row.stop_reason = f"budget: {stop.error.limit}"
             row.info["unscored"] = "the budget ran out before the stage's output was scored; it was not kept"
         if scored is not None:
+            best_score = score_before()
             row.score, row.ci = scored.score, scored.ci
             row.change = scored.score - best_score if best_score != float("-inf") else None
             row.kept = scored.score > best_score

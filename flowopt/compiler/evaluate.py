@@ -272,6 +272,32 @@ class Evaluator:
             return (0.0, True)
         return (score_prediction(self.metric, ex, pred, i), False)
 
+    def recall(self, program: Any, examples: Sequence[Any]) -> list[tuple[float, bool] | None]:
+        """The memoised ``(score, failed)`` of ``program`` on each of ``examples`` (``None``: not scored)."""
+        pkey = program_key(program)
+        with self._lock:
+            return [self._memo.get((pkey, example_key(ex))) for ex in examples]
+
+    def remember(self, program: Any, examples: Sequence[Any], outcomes: Sequence[tuple[float, bool]]) -> None:
+        """Take ``(score, failed)`` per example, scored elsewhere (another worker of a shared search),
+        as if scored here: evaluating ``program`` on ``examples`` then costs no LM call.
+
+        Example:
+            >>> import dspy
+            >>> from flowopt.compiler import Evaluator
+            >>> ev = Evaluator(lambda ex, pred, trace=None: 1.0)
+            >>> data = [dspy.Example(question="q", answer="a").with_inputs("question")]
+            >>> ev.remember(dspy.Predict("question -> answer"), data, [(0.5, False)])
+            >>> ev.evaluate(dspy.Predict("question -> answer"), data).score  # no LM configured, none needed
+            0.5
+        """
+        if len(outcomes) != len(examples):
+            raise ValueError(f"{len(outcomes)} outcomes for {len(examples)} examples")
+        pkey = program_key(program)
+        with self._lock:
+            for ex, (score, failed) in zip(examples, outcomes):
+                self._memo[(pkey, example_key(ex))] = (float(score), bool(failed))
+
     def forget(self) -> None:
         with self._lock:
             self._memo.clear()

@@ -60,6 +60,13 @@ class Stage(abc.ABC):
     def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
         """Return an improved program (may modify and return ``program``, which is a private copy)."""
 
+    def scores_its_start(self) -> bool:
+        """Whether this stage, run first, scores the program it starts from on the whole valset itself
+        and leaves those scores in ``ctx.evaluator``; the compiler then scores the baseline after the
+        stage, from that memo. A search shared by workers does: the worker that scores the incumbent
+        shares the scores through the study, so no worker scores the baseline on its own."""
+        return False
+
     def settings(self) -> dict[str, Any]:
         """The stage's settings as JSON-able data (dataclass fields), recorded in the report and
         compared on resume."""

@@ -72,6 +72,12 @@ def apply_definition(program: dspy.Module, definition: dict[str, Any]) -> dspy.M
     return candidate
 
 
+def first_candidates(stage: RandomSearch, program: dspy.Module, ctx: StageContext) -> list[tuple[str, dict[str, Any]]]:
+    """The candidates defined without any LM call (incumbent, zero-shot, labeled-only), as
+    ``(kind, definition)``: the first ones :func:`plan_candidates` returns, known at once."""
+    return _definitions(stage, program, ctx, SearchSpace.without_lm(stage, program, ctx), count=None)
+
+
 def plan_candidates(stage: RandomSearch, program: dspy.Module,
                     ctx: StageContext) -> tuple[list[tuple[str, dict[str, Any]]], SearchSpace]:
     """Every candidate of the search as ``(kind, definition)``, in candidate order, with the space.
@@ -79,13 +85,19 @@ def plan_candidates(stage: RandomSearch, program: dspy.Module,
     They are the very candidates a one-process search asks: seeded ones as they are, sampled ones
     drawn from the sampler seeded by (seed, number) in a throwaway in-memory study.
     """
-    import optuna
-
     with ThreadPoolExecutor(max_workers=max(1, ctx.num_threads), thread_name_prefix="flowopt-plan") as lm_pool:
         space = SearchSpace.build(stage, program, ctx, lm_pool)
+    return _definitions(stage, program, ctx, space, count=stage.n_candidates + (stage.extra or 0)), space
+
+
+def _definitions(stage: RandomSearch, program: dspy.Module, ctx: StageContext, space: SearchSpace,
+                 count: int | None) -> list[tuple[str, dict[str, Any]]]:
+    """Candidates ``0..count-1`` of ``space`` (``None``: its seeded ones) as ``(kind, definition)``."""
+    import optuna
+
     scratch = optuna.create_study(direction="maximize")
     planned = []
-    for number in range(stage.n_candidates + (stage.extra or 0)):
+    for number in range(len(space.seeded) if count is None else count):
         trial, candidate = stage._ask(scratch, space, program, ctx, number, None)
         planned.append((str(trial.user_attrs["kind"]), definition_of(candidate)))
-    return planned, space
+    return planned

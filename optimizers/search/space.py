@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -53,17 +54,8 @@ class SearchSpace:
 
     @classmethod
     def build(cls, stage: RandomSearch, program: dspy.Module, ctx: StageContext, lm_pool: Executor) -> SearchSpace:
-        space = cls()
-        space.max_demos = stage.max_demos
-        space.search_k = stage.search_k
-        named = program.named_predictors()
-        space.predictors = [n for n, _ in named]
-        current = {n: [d.toDict() if hasattr(d, "toDict") else dict(d) for d in p.demos] for n, p in named}
-        sets: list[tuple[str, dict[str, list[dict[str, Any]]]]] = [("incumbent", current)]
-        if stage.n_candidates > 1:
-            sets.append(("zero-shot", {n: [] for n in space.predictors}))
-        if stage.n_candidates > 2:
-            sets.append(("labeled", labeled_demos(ctx.trainset, stage.max_labeled_demos, ctx.seed, space.predictors)))
+        space = cls._start(stage, program)
+        sets = space._fixed_sets(stage, program, ctx)
         sets.extend(space._bootstraps(stage, program, ctx, lm_pool))
         pool = None
         distinct = {repr(sorted(d.items())) for _, demos in sets for ds in demos.values() for d in ds}
@@ -72,17 +64,51 @@ class SearchSpace:
             pool = bootstrap_pool(program, ctx, successes=stage.pool_size, max_labeled_demos=stage.max_labeled_demos,
                                   metric_threshold=stage.metric_threshold, executor=lm_pool)
             space.pool_exhausted_by = space.pool_exhausted_by or pool.exhausted_by
-        for name in space.predictors:
-            entries: list[dict[str, Any]] = []
-            for demo in [*(d for _, demos in sets for d in demos[name]), *(pool.demos_for(name) if pool else [])]:
-                if demo not in entries:
-                    entries.append(demo)
-            space.pools[name] = entries
-        space.seeded = [(kind, [[space.pools[n].index(d) for d in demos[n]] for n in space.predictors])
-                        for kind, demos in sets]
+        space._set_pools(sets, pool.demos_for if pool else None)
         space.instructions = instruction_candidates(stage, program, ctx, space)
         space._node_settings(stage, program)
         return space
+
+    @classmethod
+    def without_lm(cls, stage: RandomSearch, program: dspy.Module, ctx: StageContext) -> SearchSpace:
+        """The space of the candidates that need no LM call to define (incumbent, zero-shot, labeled):
+        they apply exactly as in the full space, so a shared search can score them while it plans."""
+        space = cls._start(stage, program)
+        space._set_pools(space._fixed_sets(stage, program, ctx), None)
+        space.instructions = {name: [p.signature.instructions] for name, p in program.named_predictors()}
+        space._node_settings(stage, program)
+        return space
+
+    @classmethod
+    def _start(cls, stage: RandomSearch, program: dspy.Module) -> SearchSpace:
+        space = cls()
+        space.max_demos = stage.max_demos
+        space.search_k = stage.search_k
+        space.predictors = [n for n, _ in program.named_predictors()]
+        return space
+
+    def _fixed_sets(self, stage: RandomSearch, program: dspy.Module,
+                    ctx: StageContext) -> list[tuple[str, dict[str, list[dict[str, Any]]]]]:
+        """The incumbent's, zero-shot and labeled-only demo sets (as many as ``n_candidates`` allows)."""
+        current = {n: [d.toDict() if hasattr(d, "toDict") else dict(d) for d in p.demos]
+                   for n, p in program.named_predictors()}
+        sets: list[tuple[str, dict[str, list[dict[str, Any]]]]] = [("incumbent", current)]
+        if stage.n_candidates > 1:
+            sets.append(("zero-shot", {n: [] for n in self.predictors}))
+        if stage.n_candidates > 2:
+            sets.append(("labeled", labeled_demos(ctx.trainset, stage.max_labeled_demos, ctx.seed, self.predictors)))
+        return sets
+
+    def _set_pools(self, sets: list[tuple[str, dict[str, list[dict[str, Any]]]]],
+                   more: Callable[[str], list[dict[str, Any]]] | None) -> None:
+        for name in self.predictors:
+            entries: list[dict[str, Any]] = []
+            for demo in [*(d for _, demos in sets for d in demos[name]), *(more(name) if more else [])]:
+                if demo not in entries:
+                    entries.append(demo)
+            self.pools[name] = entries
+        self.seeded = [(kind, [[self.pools[n].index(d) for d in demos[n]] for n in self.predictors])
+                       for kind, demos in sets]
 
     def _bootstraps(self, stage: RandomSearch, program: dspy.Module, ctx: StageContext,
                     lm_pool: Executor) -> list[tuple[str, dict[str, list[dict[str, Any]]]]]:

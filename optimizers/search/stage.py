@@ -52,19 +52,20 @@ from flowopt.optimizers.search.shared_storage import exclusive_run_dir, is_share
 from flowopt.optimizers.search.space import CandidateSource, SearchSpace
 from flowopt.optimizers.search.study import (
     INTERRUPTED,
+    SCORES,
     STUDY_NAME,
     ask,
     candidate_sampler,
     finished_count,
     next_wave,
     open_study,
+    record_scores,
     stop_running,
 )
 from flowopt.settings import above, at_least, between, check_stage, one_of
 
 SAMPLERS = ("random", "tpe")
 PRUNERS = PRUNE_RULES
-SCORES = "scores"  # user attr: the trial's per-example scores, in the search's valset order
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,11 @@ class RandomSearch(Stage):
             return [n]
         return rungs(n, first_rung(n, self.minibatch_size), 1.25 if self.pruner == "confidence" else 2.0)
 
+    def scores_its_start(self) -> bool:
+        """A shared search scores the incumbent (the program it starts from) on the whole valset as
+        one of its candidates, once for all workers: the compiler takes the baseline from it."""
+        return is_shared(self.storage)
+
     # ------------------------------------------------------------------ run
     def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
         if is_shared(self.storage):
@@ -272,9 +278,10 @@ class RandomSearch(Stage):
 
         alive = list(asked)
         scores: dict[int, list[float]] = {t.number: [] for t, _ in alive}
-        others = _earlier_scores(study, exclude=set(scores))
-        incumbent = next((t.number for t in study.get_trials(deepcopy=False)
-                          if t.user_attrs.get("kind") == "incumbent"), None)
+        # Only a verdict between rungs reads the other trials (a database round trip in a shared study).
+        earlier = study.get_trials(deepcopy=False) if len(ends) > 1 else []
+        others = _earlier_scores(earlier, exclude=set(scores))
+        incumbent = next((t.number for t in earlier if t.user_attrs.get("kind") == "incumbent"), None)
         prev = 0
         try:
             for cum in ends:
@@ -290,29 +297,38 @@ class RandomSearch(Stage):
                     live = {t.number: scores[t.number] for t, _ in alive}
                     pruned = to_prune(self.pruner, live, others, cum, incumbent,
                                       reduction_factor=self.reduction_factor, alpha=self.alpha)
-                    for trial, _ in alive:
+                    for trial, candidate in alive:
                         if trial.number in pruned:
-                            trial.set_user_attr(SCORES, scores[trial.number])
+                            record_scores(trial, candidate, order, scores[trial.number], ctx)
                             study.tell(trial, state=TrialState.PRUNED)
                     alive = [a for a in alive if a[0].number not in pruned]
-            for trial, _ in alive:
-                trial.set_user_attr(SCORES, scores[trial.number])
+            for trial, candidate in alive:
+                record_scores(trial, candidate, order, scores[trial.number], ctx)
                 study.tell(trial, _mean(scores[trial.number]))
         except BudgetExhausted:
             stop_running(study, [trial for trial, _ in alive], "budget")
             raise
 
+    def close_finalists(self, complete: list[Any]) -> list[Any]:
+        """The fully scored trials (at most ``finalists``) the valset cannot tell from the leader, best first."""
+        ranked = sorted(complete, key=lambda t: (-t.value, t.user_attrs.get("candidate", t.number)))
+        leader = ranked[0].user_attrs[SCORES]
+        return [t for t in ranked[: max(1, self.finalists)]
+                if t is ranked[0] or not worse_than(t.user_attrs[SCORES], leader, self.alpha)]
+
+    @staticmethod
+    def fresh_examples(programs: list[dspy.Module], ctx: StageContext) -> list[Any]:
+        """The training examples the finalists are re-scored on: demos of none of ``programs``."""
+        shown = [d for p in programs for _, pred in p.named_predictors() for d in pred.demos]
+        return [e for e in ctx.trainset if not _is_shown(e, shown)][: max(1, len(ctx.valset) // 2)]
+
     def _finalists(self, complete: list[Any], space: CandidateSource, program: dspy.Module,
                    ctx: StageContext) -> list[dict[str, Any]]:
         """Re-score the fully scored candidates the valset cannot tell from the leader on training
         examples that are demos of none of them; pick by valset + fresh mean."""
-        ranked = sorted(complete, key=lambda t: (-t.value, t.user_attrs.get("candidate", t.number)))
-        leader = ranked[0].user_attrs[SCORES]
-        close = [t for t in ranked[: max(1, self.finalists)]
-                 if t is ranked[0] or not worse_than(t.user_attrs[SCORES], leader, self.alpha)]
+        close = self.close_finalists(complete)
         programs = [space.apply(program, t) for t in close]
-        shown = [d for p in programs for _, pred in p.named_predictors() for d in pred.demos]
-        fresh = [e for e in ctx.trainset if not _is_shown(e, shown)][: max(1, len(ctx.valset) // 2)]
+        fresh = self.fresh_examples(programs, ctx)
         fresh_scores: list[list[float]] = [[] for _ in close]
         if len(close) > 1 and fresh:
             try:
@@ -367,10 +383,9 @@ class RandomSearch(Stage):
         return space.apply(program, best)
 
 
-def _earlier_scores(study: Any, exclude: set[int]) -> dict[int, list[float]]:
+def _earlier_scores(trials: list[Any], exclude: set[int]) -> dict[int, list[float]]:
     """Per-example scores of finished (complete or pruned) trials of earlier waves."""
-    return {t.number: list(t.user_attrs[SCORES]) for t in study.get_trials(deepcopy=False)
-            if SCORES in t.user_attrs and t.number not in exclude}
+    return {t.number: list(t.user_attrs[SCORES]) for t in trials if SCORES in t.user_attrs and t.number not in exclude}
 
 
 def _is_shown(example: Any, demos: list[Any]) -> bool:

@@ -15,13 +15,20 @@ from __future__ import annotations
 import hashlib
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowopt.compiler.integrity import check_sqlite
 from flowopt.errors import ConfigError
 
+if TYPE_CHECKING:
+    import dspy
+
+    from flowopt.compiler import StageContext
+
 STUDY_NAME = "flowopt-search"
 INTERRUPTED = "interrupted"
+SCORES = "scores"  # user attr: the trial's per-example scores, in the search's valset order
+FAILED = "failed"  # user attr: positions (in SCORES) of the examples that raised in the program
 
 
 def open_study(storage: str | None, study_name: str, pruner: Any, run_dir: Path | None, resume: bool) -> Any:
@@ -116,3 +123,21 @@ def next_wave(study: Any, n: int, width: int, *, start: int = 0) -> list[tuple[i
         if members:
             return [(k, cut.get(k)) for k in members]
     return []
+
+
+def record_scores(trial: Any, program: dspy.Module, examples: list[Any], scores: list[float],
+                  ctx: StageContext) -> None:
+    """Store a trial's per-example scores (on the first ``len(scores)`` of ``examples``) and which of
+    those examples failed in the program, so another worker can take them as its own."""
+    trial.set_user_attr(SCORES, scores)
+    assert ctx.evaluator is not None
+    outcomes = ctx.evaluator.recall(program, examples[: len(scores)])
+    failed = [i for i, outcome in enumerate(outcomes) if outcome is not None and outcome[1]]
+    if failed:
+        trial.set_user_attr(FAILED, failed)
+
+
+def stored_outcomes(trial: Any) -> list[tuple[float, bool]]:
+    """``(score, failed)`` per example of a trial that :func:`record_scores` stored."""
+    failed = set(trial.user_attrs.get(FAILED, ()))
+    return [(float(s), i in failed) for i, s in enumerate(trial.user_attrs[SCORES])]

@@ -21,7 +21,7 @@ from flowopt.benchmarks.perf.harness import read_results
 
 PERF_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "perf"
 # Scripts in benchmarks/perf/ that are not yet on the harness (each being rewritten in its own issue).
-NOT_ON_HARNESS = {"structure_search_sim", "search_generalisation", "shared_search"}
+NOT_ON_HARNESS = {"structure_search_sim", "search_generalisation"}
 SHARED_MODULES = {"__init__", "lm_workload", "structure_families"}  # imported by scripts, not run
 
 
@@ -98,6 +98,14 @@ def _weights_distributed(r: dict[str, Any]) -> None:
     assert r["grpo"]["processes_1"] == 1 and r["grpo"]["processes_2"] == 2
 
 
+def _shared_search(r: dict[str, Any]) -> None:
+    assert [(run["workers"], run["killed"]) for run in r["runs"]] == [(1, False), (2, False)]
+    for run in r["runs"]:  # every candidate scored exactly once, by the workers together; the same answer
+        assert run["exit_codes"] == [0] * run["workers"] and sum(run["scored_here"]) == 6
+        assert run["scored_twice"] == run["lost"] == 0 and run["same_program_as_one_worker"]
+        assert run["baseline_lm_calls"] == [0] * run["workers"]  # the incumbent's scores, from the study
+
+
 # script -> (modules it needs beyond flowopt's dependencies, checks of its results)
 SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "workflow_overhead": ((), _workflow_overhead),
@@ -112,6 +120,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "local_lm_cuda": ((), _local_lm_cuda),
     "runtime_ab": (("trl",), _runtime_ab),
     "weights_distributed": ((), _weights_distributed),
+    "shared_search": (("psycopg",), _shared_search),  # and PostgreSQL's initdb (CI installs it)
 }
 
 

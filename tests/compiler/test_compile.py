@@ -123,3 +123,35 @@ def test_compiler_core_never_imports_higher_layers():
                 assert not name.startswith(("flowopt.optimizers", "flowopt.benchmarks")), (path, name)
                 if "compiler" in path.parts:
                     assert not name.startswith("flowopt.modules"), (path, name)
+
+
+@dataclass(frozen=True)
+class _ScoresItsStart(Stage):
+    """A first stage that scores its start itself (as a shared search does), then returns it with demos."""
+
+    name: ClassVar[str] = "scores-start"
+    leave_scores: bool = True
+
+    def scores_its_start(self) -> bool:
+        return True
+
+    def run(self, program, ctx):
+        if self.leave_scores:  # what another worker scored: taken, not scored here
+            ctx.evaluator.remember(program, ctx.valset, [(0.25, False)] * len(ctx.valset))
+        program.demos = [ex for ex in ctx.trainset[:4]]
+        return program
+
+
+@pytest.mark.parametrize("leave_scores", [True, False])
+def test_a_stage_that_scores_its_start_gives_the_baseline(leave_scores):
+    lm = demo_task_lm()
+    with dspy.context(lm=lm):
+        out = flowopt.compile(dspy.Predict("question -> answer"), examples(12), exact, valset=examples(8, 100),
+                              stages=[_ScoresItsStart(leave_scores=leave_scores)], quiet=True)
+    report = out.report
+    assert [s.name for s in report.stages] == ["baseline", "scores-start"]
+    baseline = report.stage("baseline")
+    # Its scores are the baseline (no LM call); a stage that left none has the baseline scored after it.
+    assert (baseline.score, baseline.lm_calls) == ((0.25, 0) if leave_scores else (0.0, 8))
+    stage = report.stage("scores-start")
+    assert stage.kept and stage.change == pytest.approx(1.0 - baseline.score) and report.best_score == 1.0

@@ -66,7 +66,8 @@ def main(spec: dict) -> None:
     Path(spec["out"]).write_text(json.dumps({
         "definition": definition_of(out), "best_score": out.report.best_score, "wall_s": time.monotonic() - started,
         "search_wall_s": row.wall_s, "candidates_tried": row.candidates_tried, "stop_reason": row.stop_reason,
-        "info": row.info}))
+        "search_lm_calls": row.lm_calls, "info": row.info, "baseline": {"score": out.report.baseline_score,
+                                       "lm_calls": out.report.stage("baseline").lm_calls}}))
 
 
 if __name__ == "__main__":

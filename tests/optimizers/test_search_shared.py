@@ -26,7 +26,7 @@ from shared_worker import TRAIN, VAL, compile_once
 
 import flowopt
 from flowopt import ConfigError, FlowoptError
-from flowopt.optimizers.search.shared import SharedWorker
+from flowopt.optimizers.search.shared import PLAN, SharedWorker
 from flowopt.optimizers.search.shared_plan import definition_of
 from flowopt.optimizers.search.shared_storage import open_rdb_storage
 
@@ -63,22 +63,23 @@ def test_three_workers_one_killed_finish_every_candidate_once_and_agree(postgres
     reference = compile_once({**SETTINGS}, latency=0.0)  # one process, in-memory study, same seed
     outs = [tmp_path / f"w{i}.json" for i in range(3)]
     stalled = tmp_path / "stalled"
-    # The victim starts first (so it plans: 8 baseline + 7 planning calls), scores candidates (8 calls
-    # each, or none when memoised) and hangs in one, holding it; it is killed once another worker scored.
-    victim = _start(postgres_url, "qa", outs[0], latency=0.1, stall_after_calls=8 + 7 + 16 + 3, stalled=str(stalled))
+    # The victim starts first (so it plans: 7 calls), scores candidates (8 calls each, or none when
+    # memoised) and hangs in one, holding it; it is killed once another worker scored.
+    victim = _start(postgres_url, "qa", outs[0], latency=0.1, stall_after_calls=7 + 16 + 3, stalled=str(stalled))
     workers = [victim]
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # generous: worker start-up is slow on a loaded machine
         while "qa:plan" not in _study_names(postgres_url):
             assert time.monotonic() < deadline and victim.poll() is None, "the victim never started planning"
             time.sleep(0.1)
         workers += [_start(postgres_url, "qa", out, latency=0.1) for out in outs[1:]]
+        # (a trial just claimed is RUNNING a moment before its "worker" attr is written)
         while not (stalled.exists() and any(t.state == TrialState.COMPLETE and str(victim.pid) not in
-                                            t.user_attrs["worker"] for t in _trials(postgres_url, "qa"))):
+                                            t.user_attrs.get("worker", "") for t in _trials(postgres_url, "qa"))):
             assert time.monotonic() < deadline, f"no kill point: {_states(postgres_url, 'qa')}"
             time.sleep(0.1)
         held = [t.user_attrs["candidate"] for t in _trials(postgres_url, "qa")
-                if t.state == TrialState.RUNNING and str(victim.pid) in t.user_attrs["worker"]]
+                if t.state == TrialState.RUNNING and str(victim.pid) in t.user_attrs.get("worker", "")]
         assert held, _states(postgres_url, "qa")  # the victim dies holding a candidate
         victim.send_signal(signal.SIGKILL)
         for w in workers[1:]:
@@ -103,6 +104,62 @@ def test_three_workers_one_killed_finish_every_candidate_once_and_agree(postgres
     assert by_victim >= 1 and sum(r["info"]["scored_here"] for r in results) == 12 - by_victim
 
 
+# The baseline case is slow-marked: the default suite's kill test above covers a kill mid-candidate.
+@pytest.mark.parametrize(("step", "stall_after_calls"),
+                         [("plan", 2), pytest.param("baseline", 7 + 3, marks=pytest.mark.slow)])
+def test_a_worker_killed_in_a_shared_step_is_replaced(postgres_url, tmp_path, step, stall_after_calls):
+    """The planner hangs mid-plan (after 2 bootstrap calls), or holds the incumbent, whose scores are
+    every worker's baseline (after the plan's 7 calls, 3 into it); it is killed while the others work."""
+    reference = compile_once({**SETTINGS}, latency=0.0)
+    outs = [tmp_path / f"w{i}.json" for i in range(3)]
+    stalled = tmp_path / "stalled"
+    victim = _start(postgres_url, step, outs[0], latency=0.1, stall_after_calls=stall_after_calls, stalled=str(stalled))
+    workers = [victim]
+    try:
+        deadline = time.monotonic() + 180  # generous: worker start-up is slow on a loaded machine
+        while not stalled.exists():
+            assert time.monotonic() < deadline and victim.poll() is None, "the victim never stalled"
+            time.sleep(0.1)
+        held = [t.user_attrs["candidate"] for t in _trials(postgres_url, step) if t.state == TrialState.RUNNING]
+        assert held == ([] if step == "plan" else [0]), _states(postgres_url, step)
+        if step == "plan":  # the candidates defined without an LM call are enqueued before the plan's calls
+            assert [t.user_attrs["kind"] for t in _trials(postgres_url, step)] == ["incumbent", "zero-shot", "labeled"]
+        workers += [_start(postgres_url, step, out, latency=0.1) for out in outs[1:]]
+        while not any(t.state == TrialState.COMPLETE for t in _trials(postgres_url, step)):
+            assert time.monotonic() < deadline, f"no kill point: {_states(postgres_url, step)}"
+            time.sleep(0.1)
+        if step == "plan":  # the others scored while the victim, still planning, held the plan
+            assert PLAN not in optuna.load_study(study_name=step, storage=postgres_url).user_attrs
+        victim.send_signal(signal.SIGKILL)
+        for w in workers[1:]:
+            output = w.communicate(timeout=120)[0]
+            assert w.returncode == 0, output[-3000:]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+            w.communicate()
+    trials = _trials(postgres_url, step)
+    finished = Counter(t.user_attrs["candidate"] for t in trials if t.state == TrialState.COMPLETE)
+    assert finished == Counter(range(12)), _states(postgres_url, step)  # none lost, none scored twice
+    results = [json.loads(out.read_text()) for out in outs[1:]]
+    # The plan: taken over by one survivor when the victim died planning, else the victim's.
+    assert [r["info"]["planner"] for r in results].count(True) == (1 if step == "plan" else 0)
+    for result in results:
+        assert result["definition"] == definition_of(reference)
+        assert result["best_score"] == reference.report.best_score
+        # The baseline is the incumbent's score from the study: no worker scored it on its own.
+        assert result["baseline"] == {"score": reference.report.baseline_score, "lm_calls": 0}
+    assert sum(r["info"]["scored_here"] for r in results) == 12
+    # The finalists' re-scoring is shared: each finalist scored once, on 4 fresh examples, by some worker,
+    # and the worker that picked the winner took those scores from the study.
+    rescored = [t for t in _trials(postgres_url, f"{step}:finalist-scores") if t.state == TrialState.COMPLETE]
+    assert sorted(t.user_attrs["candidate"] for t in rescored) == [2, 6, 8]
+    assert sum(r["info"]["finalists_scored_here"] for r in results) == 3
+    rows = next(r["info"]["finalists"] for r in results if "finalists" in r["info"])
+    assert [(row["candidate"], row["fresh_n"]) for row in rows] == [(2, 4), (6, 4), (8, 4)]
+
+
 def test_a_stale_trial_is_failed_and_its_candidate_requeued_once(postgres_url):
     import dspy
 
@@ -117,12 +174,12 @@ def test_a_stale_trial_is_failed_and_its_candidate_requeued_once(postgres_url):
     dead.study.enqueue_trial({}, user_attrs={"candidate": 0, "kind": "incumbent", "definition": definition})
     assert dead._claim(dead.study, 0) is not None  # claimed, then no heartbeat ever again
     assert alive._claim(alive.study, 0) is None  # a claimed candidate cannot be claimed again
-    assert [t.state for t in alive.requeue_lost()] == [TrialState.RUNNING]  # not stale yet
+    assert [t.state for t in alive.requeue_lost(alive.study)] == [TrialState.RUNNING]  # not stale yet
     time.sleep(3.5)
-    trials = alive.requeue_lost()
+    trials = alive.requeue_lost(alive.study)
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.WAITING]
     assert trials[1].user_attrs["retry_of"] == 0 and trials[1].user_attrs["definition"] == definition
-    assert len(dead.requeue_lost()) == 2  # the other worker finds it requeued already: no second copy
+    assert len(dead.requeue_lost(dead.study)) == 2  # the other worker finds it requeued already: no second copy
 
 
 def test_two_workers_on_an_empty_database_both_open_it(postgres_url):
