@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import dspy
 
 from flowopt.compiler import StageContext, clone_program
-from flowopt.optimizers.demos import bootstrap_pool, labeled_demos, shuffled_bootstrap
+from flowopt.optimizers.demos import bootstrap_pool, compose_demos, labeled_demos, shuffled_bootstrap
 from flowopt.optimizers.search.instructions import instruction_candidates
 
 if TYPE_CHECKING:
@@ -60,11 +60,18 @@ class SearchSpace:
         space.predictors = [n for n, _ in named]
         current = {n: [d.toDict() if hasattr(d, "toDict") else dict(d) for d in p.demos] for n, p in named}
         sets: list[tuple[str, dict[str, list[dict[str, Any]]]]] = [("incumbent", current)]
-        if stage.n_candidates > 1:
+        # An incumbent without demos is the zero-shot program already: its slot goes to DSPy's unshuffled
+        # bootstrap instead (BFRS's seed -1, the demos stage's program), so a search run on its own tries
+        # BFRS's very candidates and races that one like the rest instead of scoring it in full.
+        unshuffled = stage.n_candidates > 1 and not any(current.values())
+        if stage.n_candidates > 1 and not unshuffled:
             sets.append(("zero-shot", {n: [] for n in space.predictors}))
+        bootstraps = space._bootstraps(stage, program, ctx, lm_pool, unshuffled)
+        if unshuffled:
+            sets.append(bootstraps.pop(0))
         if stage.n_candidates > 2:
             sets.append(("labeled", labeled_demos(ctx.trainset, stage.max_labeled_demos, ctx.seed, space.predictors)))
-        sets.extend(space._bootstraps(stage, program, ctx, lm_pool))
+        sets.extend(bootstraps)
         pool = None
         distinct = {repr(sorted(d.items())) for _, demos in sets for ds in demos.values() for d in ds}
         if stage.pool_size > len(distinct) and stage.may_sample() and stage.max_demos:
@@ -84,24 +91,32 @@ class SearchSpace:
         space._node_settings(stage, program)
         return space
 
-    def _bootstraps(self, stage: RandomSearch, program: dspy.Module, ctx: StageContext,
-                    lm_pool: Executor) -> list[tuple[str, dict[str, list[dict[str, Any]]]]]:
-        """DSPy's shuffled-bootstrap candidates, all bootstrapped at once on the shared LM threads."""
+    def _bootstraps(self, stage: RandomSearch, program: dspy.Module, ctx: StageContext, lm_pool: Executor,
+                    unshuffled: bool = False) -> list[tuple[str, dict[str, list[dict[str, Any]]]]]:
+        """DSPy's shuffled-bootstrap candidates (after its unshuffled one, kind ``"bootstrap"``, when
+        ``unshuffled``), all bootstrapped at once on the shared LM threads."""
         count = stage.seeded_count()
-        if not count:
+        if not count and not unshuffled:
             return []
+        names = [n for n, _ in program.named_predictors()]
+        size = max(1, stage.max_demos)
 
         def one(i: int) -> tuple[dict[str, list[dict[str, Any]]], str | None]:
-            return shuffled_bootstrap(program, ctx, i, max_bootstrapped=max(1, stage.max_demos),
+            if i < 0:  # DSPy's BootstrapFewShot on the trainset in order, as the demos stage runs it
+                pool = bootstrap_pool(program, ctx, successes=size, max_labeled_demos=stage.max_labeled_demos,
+                                      metric_threshold=stage.metric_threshold, executor=lm_pool)
+                return compose_demos(ctx, pool, names, size, stage.max_labeled_demos), pool.exhausted_by
+            return shuffled_bootstrap(program, ctx, i, max_bootstrapped=size,
                                       max_labeled=stage.max_labeled_demos, metric_threshold=stage.metric_threshold,
                                       executor=lm_pool)
 
-        with ThreadPoolExecutor(max_workers=count, thread_name_prefix="flowopt-seeds") as seeds:
-            futures = [seeds.submit(contextvars.copy_context().run, one, i) for i in range(count)]
+        numbers = [*([-1] if unshuffled else []), *range(count)]
+        with ThreadPoolExecutor(max_workers=len(numbers), thread_name_prefix="flowopt-seeds") as seeds:
+            futures = [seeds.submit(contextvars.copy_context().run, one, i) for i in numbers]
             results = [f.result() for f in futures]
         for _, exhausted in results:
             self.pool_exhausted_by = self.pool_exhausted_by or exhausted
-        return [(f"bootstrap-{i}", demos) for i, (demos, _) in enumerate(results)]
+        return [("bootstrap" if i < 0 else f"bootstrap-{i}", demos) for i, (demos, _) in zip(numbers, results)]
 
     def _node_settings(self, stage: RandomSearch, program: dspy.Module) -> None:
         nodes = getattr(program, "nodes", None)
