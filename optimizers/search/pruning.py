@@ -47,6 +47,7 @@ from collections.abc import Mapping, Sequence
 PRUNE_RULES = ("confidence", "halving", "median", "none")
 MIN_FIRST_RUNG = 20
 ALPHA = 0.05
+FINITE_UP_TO = 2000  # examples left beyond which the finite-population test gains nothing over McNemar's
 
 
 def first_rung(n: int, requested: int | None = None) -> int:
@@ -115,7 +116,7 @@ def worse_than(challenger: Sequence[float], leader: Sequence[float], alpha: floa
     sd = statistics.stdev(diffs) if n > 1 else 0.0
     if left is not None and population is not None and population > 1:
         sd *= math.sqrt(left / (population - 1))  # finite-population correction: nothing left, no doubt
-    return mean + norm.ppf(1 - alpha) * sd / math.sqrt(n) < 0
+    return bool(mean + norm.ppf(1 - alpha) * sd / math.sqrt(n) < 0)
 
 
 def _mcnemar_p(losses: int, wins: int, left: int | None) -> float:
@@ -123,7 +124,7 @@ def _mcnemar_p(losses: int, wins: int, left: int | None) -> float:
     loses at most half of them). ``left=None``: McNemar's exact binomial test (an infinite population);
     otherwise the hypergeometric version over a finite set with ``left`` examples still unscored."""
     d = losses + wins
-    if left is None:
+    if left is None or left > FINITE_UP_TO:  # McNemar's binomial p bounds every hypergeometric one above
         from scipy.stats import binomtest
 
         return float(binomtest(losses, d, 0.5, alternative="greater").pvalue)
