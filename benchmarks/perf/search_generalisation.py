@@ -19,53 +19,62 @@ held-out test split the optimizers never see:
   and its realised accuracy (the hash draws).
 
 Methods, every one on every seed (paired): BFRS(8) and BFRS(16) (DSPy's
-``BootstrapFewShotWithRandomSearch``), flowopt (``demos`` + ``search``) with BFRS(8)'s candidates
-and its default pruner (with and without paid-for extras), with ``pruner="none"``, at BFRS(8)'s LM
-calls (``Budget(max_lm_calls=...)``), flowopt's defaults (``compile()`` with no stages given),
-``dspy.MIPROv2(auto="light")``, and the ``mipro`` and ``gepa`` stages (``gepa`` at BFRS(8)'s calls).
+``BootstrapFewShotWithRandomSearch``); flowopt's ``search`` stage on its own with BFRS(8)'s 11
+candidates (zero-shot as the incumbent, DSPy's unshuffled bootstrap, labeled-only, 8 shuffled
+bootstraps) and its default pruner (with and without paid-for extras), with ``pruner="none"``, and at
+BFRS(8)'s LM calls (``Budget(max_lm_calls=...)``); ``demos`` + ``search`` with the same candidates;
+flowopt's defaults (``compile()`` with no stages given: ``demos`` + ``search``);
+``dspy.MIPROv2(auto="light")``; and the ``mipro`` and ``gepa`` stages (``gepa`` at BFRS(8)'s calls).
 
 Pruner error: for the flowopt runs with pruning, the full-valset score of every pruned candidate
-is computed afterwards (by the rule, no LM calls) and compared with the returned program's.
+is computed afterwards (by the rule, no LM calls) and compared with the returned program's; each
+pruned candidate's scores, full-valset score and the pruner's reason are in the JSON.
 
-Run:  nice -n 10 .venv/bin/python benchmarks/perf/search_generalisation.py --seeds 30 --workers 2
-Writes benchmarks/results/search_generalisation.{json,md}.
+Run:  nice -n 10 python -m flowopt.benchmarks.perf.search_generalisation --seeds 30 --workers 2
+Writes benchmarks/results/search_generalisation.{json,md} (``--out STEM``); ``--smoke`` runs 2 small
+seeds with 6 of the methods, in seconds.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import hashlib
+import io
 import json
 import logging
 import math
-import os
-import platform
 import random
 import re
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import dspy
 
+from flowopt.benchmarks.perf.harness import Goal, PerfParser, markdown_table, setup_logging, start_run
+
 SHAPES = ("spread", "needles", "instructions")
 ORIGINAL = "Given the fields `question`, produce the fields `answer`."
 METHODS = ("bfrs8", "bfrs16", "flowopt8", "flowopt8_extra0", "flowopt8_none", "flowopt_at_bfrs8_calls",
-           "flowopt_defaults", "mipro_light", "mipro_stage", "gepa_stage")
+           "flowopt8_demos_extra0", "flowopt_defaults", "mipro_light", "mipro_stage", "gepa_stage")
 LABELS = {
     "bfrs8": "DSPy BFRS(8)",
     "bfrs16": "DSPy BFRS(16)",
-    "flowopt8": "flowopt, BFRS(8)'s candidates + paid-for extras (defaults otherwise)",
-    "flowopt8_extra0": "flowopt, BFRS(8)'s candidates only (`extra=0`)",
-    "flowopt8_none": "flowopt, BFRS(8)'s candidates, `pruner=\"none\"`",
-    "flowopt_at_bfrs8_calls": "flowopt at BFRS(8)'s LM calls (`Budget`)",
-    "flowopt_defaults": "flowopt defaults (`compile()`, no stages given)",
+    "flowopt8": "flowopt `search`, BFRS(8)'s candidates + paid-for extras (defaults otherwise)",
+    "flowopt8_extra0": "flowopt `search`, BFRS(8)'s candidates only (`extra=0`)",
+    "flowopt8_none": "flowopt `search`, BFRS(8)'s candidates, `pruner=\"none\"`",
+    "flowopt_at_bfrs8_calls": "flowopt `search` at BFRS(8)'s LM calls (`Budget`)",
+    "flowopt8_demos_extra0": "flowopt `demos` + `search`, BFRS(8)'s candidates only (`extra=0`)",
+    "flowopt_defaults": "flowopt defaults (`compile()`, no stages given: `demos` + `search`)",
     "mipro_light": "dspy.MIPROv2(auto=\"light\")",
     "mipro_stage": "flowopt `mipro` stage (light)",
     "gepa_stage": "flowopt `gepa` stage at BFRS(8)'s LM calls",
 }
+SAME_CANDIDATES = "flowopt8_extra0"  # the method the "same candidates" goal reads
+STATED_ERROR = 0.05  # the stated bound on the pruner-error rate per run (each decision is a one-sided 5% test)
+SMOKE = {"seeds": 2, "workers": 1, "threads": 4, "latency": 0.0, "train": 30, "val": 40, "test": 60,
+         "methods": ["bfrs8", "flowopt8", "flowopt8_extra0", "flowopt_at_bfrs8_calls", "mipro_stage", "gepa_stage"]}
 
 
 def _u(*parts: Any) -> float:
@@ -164,15 +173,12 @@ def metric(example: Any, pred: Any, trace: Any = None) -> float:
 
 
 # -------------------------------------------------------------------------------- methods
-def _pruned_programs(search_stage: Any) -> list[Any]:
-    return list(_CAPTURED.get(id(search_stage), {}).get("pruned", []))
-
-
-_CAPTURED: dict[int, dict[str, Any]] = {}
+_CAPTURED: dict[int, dict[int, Any]] = {}
 
 
 def _capturing_search(**settings: Any) -> Any:
-    """A RandomSearch that also hands the benchmark the programs it pruned (to measure pruner errors)."""
+    """A RandomSearch that also hands the benchmark the programs it pruned, by candidate number (to
+    score them on the whole valset afterwards, by the rule: pruner errors)."""
     from optuna.trial import TrialState
 
     from flowopt.optimizers.search import RandomSearch
@@ -181,15 +187,47 @@ def _capturing_search(**settings: Any) -> Any:
         def _race(self, study: Any, asked: list[Any], order: list[Any], ends: list[int], ctx: Any) -> None:
             super()._race(study, asked, order, ends, ctx)
             states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
-            store = _CAPTURED.setdefault(id(self), {"pruned": []})
-            store["pruned"].extend(p for t, p in asked if states.get(t.number) == TrialState.PRUNED)
+            store = _CAPTURED.setdefault(id(self), {})
+            store.update({t.user_attrs["candidate"]: p for t, p in asked if states.get(t.number) == TrialState.PRUNED})
 
     return CapturingSearch(**settings)
 
 
-def run_method(name: str, task: Task, args: argparse.Namespace, bfrs8_calls: int | None) -> dict[str, Any]:
-    import flowopt
+def _stages(name: str, bfrs8_calls: int | None) -> tuple[list[Any], Any, Any]:
+    """The compile() stages, budget and capturing search (if any) of one flowopt method."""
     from flowopt import Budget
+
+    search: Any = None
+    if name == "flowopt8":
+        search = _capturing_search(n_candidates=11)
+        return [search], None, search
+    if name == "flowopt8_extra0":
+        search = _capturing_search(n_candidates=11, extra=0)
+        return [search], None, search
+    if name == "flowopt8_none":
+        return [("search", {"n_candidates": 11, "extra": 0, "pruner": "none"})], None, None
+    if name == "flowopt_at_bfrs8_calls":
+        search = _capturing_search(n_candidates=11, max_extra=64)
+        return [search], Budget(max_lm_calls=bfrs8_calls), search
+    if name == "flowopt8_demos_extra0":
+        search = _capturing_search(n_candidates=11, extra=0)
+        return ["demos", search], None, search
+    if name == "flowopt_defaults":
+        search = _capturing_search()
+        return ["demos", search], None, search  # compile()'s default stages, the search's default settings
+    if name == "mipro_stage":
+        return [("mipro", {"auto": "light"})], None, None
+    if name == "gepa_stage":
+        return [("gepa", {})], Budget(max_lm_calls=bfrs8_calls), None
+    raise ValueError(name)
+
+
+REPORT_KEYS = ("pruned", "fully_scored", "extra", "why", "best_kind", "best_candidate", "stop_reason", "finalists",
+               "candidates")
+
+
+def run_method(name: str, task: Task, args: Any, bfrs8_calls: int | None) -> dict[str, Any]:
+    import flowopt
 
     dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
     lm = task.lm(args.latency)
@@ -208,66 +246,45 @@ def run_method(name: str, task: Task, args: argparse.Namespace, bfrs8_calls: int
             opt = dspy.MIPROv2(metric=metric, auto="light", num_threads=args.threads, seed=task.seed, verbose=False)
             out = opt.compile(student, trainset=task.train, valset=task.val)
         else:
-            budget = None
-            if name == "flowopt8":
-                search = _capturing_search(n_candidates=11)
-                stages: Any = ["demos", search]
-            elif name == "flowopt8_extra0":
-                search = _capturing_search(n_candidates=11, extra=0)
-                stages = ["demos", search]
-            elif name == "flowopt8_none":
-                stages = ["demos", ("search", {"n_candidates": 11, "extra": 0, "pruner": "none"})]
-            elif name == "flowopt_at_bfrs8_calls":
-                search = _capturing_search(n_candidates=11, max_extra=64)
-                stages, budget = ["demos", search], Budget(max_lm_calls=bfrs8_calls)
-            elif name == "flowopt_defaults":
-                search = _capturing_search()
-                stages = ["demos", search]  # compile()'s default stages, with the search's default settings
-            elif name == "mipro_stage":
-                stages = [("mipro", {"auto": "light"})]
-            elif name == "gepa_stage":
-                stages, budget = [("gepa", {})], Budget(max_lm_calls=bfrs8_calls)
-            else:
-                raise ValueError(name)
+            stages, budget, search = _stages(name, bfrs8_calls)
             out = flowopt.compile(student, task.train, metric, valset=task.val, stages=stages, budget=budget,
                                   seed=task.seed, num_threads=args.threads, quiet=True)
-            info = {"report": {s.name: {"score": s.score, "lm_calls": s.lm_calls, "candidates": s.candidates_tried,
-                                        **{k: v for k, v in s.info.items()
-                                           if k in ("pruned", "pruned_by_rung", "fully_scored", "extra", "why",
-                                                    "best_kind", "stop_reason", "finalists")}}
+            info = {"report": {s.name: {"score": s.score, "lm_calls": s.lm_calls, "tried": s.candidates_tried,
+                                        **{k: v for k, v in s.info.items() if k in REPORT_KEYS}}
                                for s in out.report.stages}}
     wall = time.perf_counter() - start
     row = {"method": name, "lm_calls": lm.engine.calls, "wall_s": round(wall, 3),
            "test": task.score(out, task.test), "val": task.score(out, task.val), **info}
     if search is not None:
         returned = row["val"]["realised"]
-        pruned_vals = [task.score(p, task.val)["realised"] for p in _pruned_programs(search)]
-        row["pruned_full_val"] = pruned_vals
-        row["pruner_error"] = any(v > returned + 1e-12 for v in pruned_vals)
-        _CAPTURED.pop(id(search), None)
+        pruned = {c: task.score(p, task.val)["realised"] for c, p in _CAPTURED.pop(id(search), {}).items()}
+        row["pruned_full_val"] = pruned
+        row["pruner_error"] = any(v > returned + 1e-12 for v in pruned.values())
     return row
 
 
-def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_seed(seed: int, args: Any) -> dict[str, Any]:
     logging.disable(logging.WARNING)
-    task = Task(seed)
-    rows = {"bfrs8": run_method("bfrs8", task, args, None)}
-    calls = rows["bfrs8"]["lm_calls"]
-    for name in args.methods:
-        if name != "bfrs8":
-            rows[name] = run_method(name, task, args, calls)
+    task = Task(seed, args.train, args.val, args.test)
+    # DSPy's optimizers print their progress (print and tqdm): kept out of the benchmark's own log.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        rows = {"bfrs8": run_method("bfrs8", task, args, None)}
+        calls = rows["bfrs8"]["lm_calls"]
+        for name in args.methods:
+            if name != "bfrs8":
+                rows[name] = run_method(name, task, args, calls)
     return {"seed": seed, "shape": task.shape, "rows": rows}
 
 
 # -------------------------------------------------------------------------------- summary
-def _ci(values: list[float]) -> tuple[float, float, float]:
+def _ci(values: list[float]) -> list[float]:
     from scipy.stats import t
 
     mean = statistics.fmean(values)
     if len(values) < 2:
-        return mean, mean, mean
-    half = t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, mean - half, mean + half
+        return [mean, mean, mean]
+    half = float(t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
+    return [mean, mean - half, mean + half]
 
 
 def summarise(seeds: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]:
@@ -277,18 +294,16 @@ def summarise(seeds: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]
         rows = [s["rows"][name] for s in seeds]
         diffs = [r["test"]["expected"] - b["test"]["expected"] for r, b in zip(rows, base)]
         rdiffs = [r["test"]["realised"] - b["test"]["realised"] for r, b in zip(rows, base)]
-        mean, lo, hi = _ci(diffs)
-        rmean, rlo, rhi = _ci(rdiffs)
+        ratios = [r["lm_calls"] / b["lm_calls"] for r, b in zip(rows, base)]
         entry = {
             "test_expected": statistics.fmean(r["test"]["expected"] for r in rows),
             "test_realised": statistics.fmean(r["test"]["realised"] for r in rows),
             "val_realised": statistics.fmean(r["val"]["realised"] for r in rows),
-            "diff_expected": [mean, lo, hi], "diff_realised": [rmean, rlo, rhi],
+            "diff_expected": _ci(diffs), "diff_realised": _ci(rdiffs),
             "better": sum(d > 1e-12 for d in diffs), "worse": sum(d < -1e-12 for d in diffs),
             "lm_calls": statistics.fmean(r["lm_calls"] for r in rows),
-            "calls_ratio": statistics.fmean(r["lm_calls"] / b["lm_calls"] for r, b in zip(rows, base)),
+            "calls_ratio": statistics.fmean(ratios), "calls_ratio_ci": _ci(ratios),
             "wall_s": statistics.fmean(r["wall_s"] for r in rows),
-            "wall_ratio": statistics.fmean(r["wall_s"] / b["wall_s"] for r, b in zip(rows, base)),
         }
         errors = [r["pruner_error"] for r in rows if "pruner_error" in r]
         if errors:
@@ -298,142 +313,165 @@ def summarise(seeds: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+DETAILED = (SAME_CANDIDATES, "flowopt_at_bfrs8_calls")  # methods whose every candidate is listed
+
+
+def _candidate_line(c: dict[str, Any], full: dict[int, float]) -> str:
+    """One candidate as one line: what it was, how far it was scored, its whole-valset score, why it stopped."""
+    line = f"c{c['candidate']} {c['kind']}: {c['mean']:.3f} on {c['scored']}"
+    if c["candidate"] in full:
+        line += f", whole valset {full[c['candidate']]:.3f}"
+    if "pruned" in c:
+        found = re.search(r"candidate (\d+).*\((\d+) losses, (\d+) wins\)", c["pruned"])
+        line += (f"; pruned: behind c{found[1]}, {found[2]} losses {found[3]} wins" if found
+                 else f"; pruned: {c['pruned']}")
+    return line
+
+
+def _compact(row: dict[str, Any], detailed: bool) -> dict[str, Any]:
+    """A seed's row for the JSON: counts, scores and the search's report. ``detailed``: also every
+    candidate, one line each (pruned ones with their whole-valset score, by the rule, and the reason)."""
+    out: dict[str, Any] = {"lm_calls": row["lm_calls"], "wall_s": row["wall_s"],
+                           "test": {m: round(x, 4) for m, x in row["test"].items()},
+                           "val": {m: round(x, 4) for m, x in row["val"].items()}}
+    report = row.get("report") or {}
+    if report:
+        out["stage_calls"] = {name: r["lm_calls"] for name, r in report.items()}
+    search = dict(report.get("search") or {})
+    if search:
+        full = row.get("pruned_full_val", {})
+        candidates = search.pop("candidates", [])
+        search["scored_examples"] = sum(c["scored"] for c in candidates)
+        search["incumbent_scored"] = next((c["scored"] for c in candidates if c["kind"] == "incumbent"), 0)
+        search["pruned_mean_scored"] = round(statistics.fmean([c["scored"] for c in candidates if "pruned" in c]
+                                                              or [0]), 1)
+        if full:
+            search["best_pruned_full_val"] = round(max(full.values()), 4)
+        if detailed:
+            search["candidates"] = [_candidate_line(c, full) for c in candidates]
+        else:
+            search.pop("finalists", None)
+        out["search"] = search
+    if "pruner_error" in row:
+        out["pruner_error"] = row["pruner_error"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = PerfParser("search_generalisation", __doc__, smoke=SMOKE)
     parser.add_argument("--seeds", type=int, default=30)
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--latency", type=float, default=0.005)
+    parser.add_argument("--train", type=int, default=60)
+    parser.add_argument("--val", type=int, default=100)
+    parser.add_argument("--test", type=int, default=300)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
-    parser.add_argument("--render-only", action="store_true", help="rewrite the .md from the .json")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.render_only:
-        payload = json.loads((args.out / "search_generalisation.json").read_text())
-        methods = list(payload["summary"])
-        (args.out / "search_generalisation.md").write_text(render(payload, methods, args))
-        return
+    run = start_run(parser, argv)
+    args = run.args
     log = logging.getLogger("search_generalisation")
-    methods = ["bfrs8", *[m for m in args.methods if m != "bfrs8"]]
-    args.methods = methods
+    args.methods = ["bfrs8", *[m for m in args.methods if m != "bfrs8"]]
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    load_before = os.getloadavg()
-    start = time.perf_counter()
     results = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         for res in pool.map(run_seed, seeds, [args] * len(seeds)):
             results.append(res)
-            log.info("seed %d (%s): %s", res["seed"], res["shape"], {k: round(v["test"]["expected"], 3)
-                                                                    for k, v in res["rows"].items()})
-            # Written after every seed, so an interrupted run still leaves its seeds so far.
-            write(results, methods, args, load_before, time.perf_counter() - start)
-    log.info("%s", (args.out / "search_generalisation.md").read_text())
-
-
-def write(results: list[dict[str, Any]], methods: list[str], args: argparse.Namespace,
-          load_before: tuple[float, float, float], total: float) -> None:
-    summary = summarise(results, methods)
-    machine = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-               "dspy": dspy.__version__, "load_before": load_before, "load_after": os.getloadavg()}
-    command = (f"nice -n 10 .venv/bin/python benchmarks/perf/search_generalisation.py --seeds {args.seeds} "
-               f"--first-seed {args.first_seed} --workers {args.workers} --threads {args.threads} "
-               f"--latency {args.latency}" + ("" if methods == ["bfrs8", *METHODS[1:]] else
-                                              " --methods " + " ".join(methods)))
+            log.info("seed %d (%s): %s", res["seed"], res["shape"],
+                     {k: (round(v["test"]["expected"], 3), v["lm_calls"]) for k, v in res["rows"].items()})
     compact = [{"seed": r["seed"], "shape": r["shape"],
-                "rows": {k: {"lm_calls": v["lm_calls"], "wall_s": v["wall_s"],
-                             "test": {m: round(x, 4) for m, x in v["test"].items()},
-                             "val": {m: round(x, 4) for m, x in v["val"].items()},
-                             **({"pruner_error": v["pruner_error"], "pruned": len(v["pruned_full_val"])}
-                                if "pruner_error" in v else {}),
-                             **({"search": v["report"].get("search")} if "report" in v and "search" in v["report"]
-                                else {})}
-                         for k, v in r["rows"].items()}} for r in sorted(results, key=lambda r: r["seed"])]
-    args.out.mkdir(parents=True, exist_ok=True)
-    payload = {"command": command, "machine": machine, "total_wall_s": round(total, 1), "summary": summary,
-               "seeds_done": len(results), "seeds_asked": args.seeds, "seeds": compact}
-    (args.out / "search_generalisation.json").write_text(json.dumps(payload, indent=1) + "\n")
-    (args.out / "search_generalisation.md").write_text(render(payload, methods, args))
+                "rows": {k: _compact(v, k in DETAILED) for k, v in r["rows"].items()}}
+               for r in sorted(results, key=lambda r: r["seed"])]
+    # The per-seed rows (every search's report, every candidate of the DETAILED runs) go to a compact
+    # sibling file; the results JSON keeps the summary and each method's per-seed test scores and calls.
+    seeds_file = run.sibling("_seeds.json")
+    seeds_file.write_text(json.dumps({"command": run.command, "seeds": compact}, separators=(",", ":")) + "\n")
+    per_seed = {m: {"test_expected": [r["rows"][m]["test"]["expected"] for r in compact],
+                    "lm_calls": [r["rows"][m]["lm_calls"] for r in compact]} for m in args.methods}
+    summary = summarise(results, args.methods)
+    full = {"summary": summary, "seeds": compact}
+    run.finish("Search generalisation: the test score of the program each method picks",
+               {"summary": summary, "seeds": [r["seed"] for r in compact], "shapes": [r["shape"] for r in compact],
+                "per_seed": per_seed, "seeds_file": seeds_file.name},
+               body(full, args, seeds_file.name), goals=goals(full))
+    return 0
 
 
-def render(payload: dict[str, Any], methods: list[str], args: argparse.Namespace) -> str:
-    s, m = payload["summary"], payload["machine"]
-    lines = [
-        "# Search generalisation: the test score of the program each method picks",
-        "",
-        f"Command: `{payload['command']}`",
-        "",
-        f"Machine: {m['platform']}, {m['cpus']} CPUs (shared with other jobs: load average "
-        f"{m['load_before'][0]:.1f} before, {m['load_after'][0]:.1f} after), Python {m['python']}, DSPy {m['dspy']}. "
-        f"Total {payload['total_wall_s']:.0f} s. Wall times are under that load; LM calls are exact counts.",
-        "",
-        f"Task family: see the script's docstring. {len(payload['seeds'])} paired seeds of {payload['seeds_asked']} "
-        f"asked (shapes rotate: "
-        f"{', '.join(SHAPES)}), 60 train / 100 val / 300 held-out test, fake LM with {args.latency * 1000:.0f} ms "
-        f"latency, {args.threads} threads, DSPy cache off. Test score = expected accuracy on the 300 test examples "
-        "of the returned program (realised accuracy in the JSON). Differences are paired against BFRS(8), mean "
-        "and 95% t-interval over seeds.",
-        "",
-        "| method | test (expected) | vs BFRS(8) [95% CI] | better / worse seeds | LM calls | calls vs BFRS(8) | "
-        "wall s | pruner errors (runs) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name in methods:
+def goals(payload: dict[str, Any]) -> list[Goal]:
+    """Issue 11's goals, read from the summary."""
+    summary, out = payload["summary"], []
+    if SAME_CANDIDATES in summary:
+        e = summary[SAME_CANDIDATES]
+        out += [Goal.at_least("same candidates as BFRS(8): mean paired test difference",
+                              round(e["diff_expected"][0], 4), 0),
+                Goal.at_most("same candidates as BFRS(8): LM calls vs BFRS(8) (x)", round(e["calls_ratio"], 3), 0.5)]
+    if "flowopt_at_bfrs8_calls" in summary:
+        e = summary["flowopt_at_bfrs8_calls"]
+        out.append(Goal.at_least("at BFRS(8)'s LM calls: lower end of the paired test difference's 95% interval "
+                                 "(above 0)", round(e["diff_expected"][1], 4), 1e-4))
+    runs = [r for s in payload["seeds"] for r in s["rows"].values() if "pruner_error" in r]
+    if runs:
+        rate = sum(bool(r["pruner_error"]) for r in runs) / len(runs)
+        out.append(Goal.at_most(f"pruner error: share of {len(runs)} runs where a pruned candidate's full-valset "
+                                "score beats the returned program's", round(rate, 4), STATED_ERROR))
+    return out
+
+
+def body(payload: dict[str, Any], args: Any, seeds_file: str) -> list[str]:
+    s = payload["summary"]
+    lines = [f"Task family: see the script's docstring. {len(payload['seeds'])} paired seeds (shapes rotate: "
+             f"{', '.join(SHAPES)}), {args.train} train / {args.val} val / {args.test} held-out test, fake LM with "
+             f"{args.latency * 1000:.0f} ms latency, {args.threads} threads, {args.workers} seeds at a time, DSPy "
+             f"cache off. Test score = expected accuracy on the {args.test} test examples of the returned program "
+             "(realised accuracy in the JSON). Differences are paired against BFRS(8), mean and 95% t-interval "
+             "over seeds. LM calls are exact counts; wall times are under the load above.", ""]
+    rows = []
+    for name in args.methods:
         e = s[name]
         d = e["diff_expected"]
         err = e.get("pruner_error_runs")
-        err_text = f"{err[0]}/{err[1]} ({e['pruned_candidates']} pruned)" if err else "-"
-        lines.append(f"| {LABELS[name]} | {e['test_expected']:.4f} | {d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}] | "
-                     f"{e['better']} / {e['worse']} | {e['lm_calls']:.0f} | {e['calls_ratio']:.2f}x | "
-                     f"{e['wall_s']:.1f} | {err_text} |")
-    lines += ["", "Goals (issue 11):", ""]
-    if "flowopt8_extra0" in s:
-        e = s["flowopt8_extra0"]
-        ok = e["diff_expected"][0] >= 0 and e["calls_ratio"] <= 0.5
-        lines.append(f"* Same candidates as BFRS(8): mean paired test {e['diff_expected'][0]:+.4f} at "
-                     f"{e['calls_ratio']:.2f}x its LM calls (goal: >= 0 at <= 0.5x): {'met' if ok else 'NOT met'}.")
-    if "flowopt_at_bfrs8_calls" in s:
-        e = s["flowopt_at_bfrs8_calls"]
-        ok = e["diff_expected"][1] > 0
-        lines.append(f"* At BFRS(8)'s LM calls: {e['diff_expected'][0]:+.4f} [{e['diff_expected'][1]:+.4f}, "
-                     f"{e['diff_expected'][2]:+.4f}] (goal: interval above 0): {'met' if ok else 'NOT met'}.")
-    errs = [s[k]["pruner_error_runs"] for k in methods if "pruner_error_runs" in s[k]]
-    if errs:
-        bad, runs = sum(e[0] for e in errs), sum(e[1] for e in errs)
-        lines.append(f"* Pruner errors (a pruned candidate's full-valset score above the returned program's): "
-                     f"{bad} of {runs} pruning runs. Stated rate: each prune decision is a one-sided test at 5%.")
-    lines += ["", *notes(payload)]
-    return "\n".join(lines) + "\n"
+        rows.append([LABELS[name], f"{e['test_expected']:.4f}", f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]",
+                     f"{e['better']} / {e['worse']}", f"{e['lm_calls']:.0f}", f"{e['calls_ratio']:.2f}x",
+                     f"{e['wall_s']:.1f}", f"{err[0]}/{err[1]} ({e['pruned_candidates']} pruned)" if err else "-"])
+    lines += markdown_table(["method", "test (expected)", "vs BFRS(8) [95% CI]", "better / worse seeds", "LM calls",
+                             "calls vs BFRS(8)", "wall s", "pruner errors (runs)"], rows, align="lrlrrrrl")
+    return [*lines, "", *notes(payload, seeds_file)]
 
 
-def notes(payload: dict[str, Any]) -> list[str]:
-    """Where flowopt's calls go, pruning per rung, pruner errors with a bound, finalists' effect."""
+def notes(payload: dict[str, Any], seeds_file: str) -> list[str]:
+    """Where flowopt's calls go, what was pruned, pruner errors with a bound, the finalists' effect."""
     from scipy.stats import beta
 
     out = ["## Notes", ""]
     rows = [sd["rows"] for sd in payload["seeds"]]
-    if rows and "flowopt8_extra0" in rows[0]:
-        same = [r["flowopt8_extra0"] for r in rows if r["flowopt8_extra0"].get("search")]
+    same = [r[SAME_CANDIDATES] for r in rows if SAME_CANDIDATES in r and r[SAME_CANDIDATES].get("search")]
+    if same:
         total = statistics.fmean(r["lm_calls"] for r in same)
+        stage = {k: statistics.fmean(r["stage_calls"].get(k, 0) for r in same) for k in same[0]["stage_calls"]}
         search = statistics.fmean(r["search"]["lm_calls"] for r in same)
-        rungs: dict[str, list[int]] = {}
-        for r in same:
-            for end, count in r["search"].get("pruned_by_rung", {}).items():
-                rungs.setdefault(end, []).append(count)
-        out.append(f"* Where the calls go (BFRS(8)'s candidates, `extra=0`): {total:.0f} calls a run; the search "
-                   f"stage {search:.0f} (bootstraps, racing, finalists), the baseline and the demos stage (its "
-                   f"bootstrap and its full-valset check) {total - search:.0f}. Pruned per rung (mean a run): "
-                   + ", ".join(f"{k}: {statistics.fmean(v):.2f}" for k, v in rungs.items()) + ".")
-    runs = [(name, r[name]) for r in rows for name in r if "pruner_error" in r[name]]
+        fresh = statistics.fmean(sum(f["fresh_n"] for f in r["search"].get("finalists", [])) for r in same)
+        new = statistics.fmean(r["search"]["scored_examples"] - r["search"]["incumbent_scored"] for r in same)
+        pruned = statistics.fmean(r["search"]["pruned"] for r in same)
+        tried = statistics.fmean(r["search"]["tried"] for r in same)
+        after = statistics.fmean(r["search"]["pruned_mean_scored"] for r in same)
+        out.append(f"* Where the calls go (`search` alone, BFRS(8)'s candidates, `extra=0`), mean a run: {total:.0f} "
+                   "calls: " + ", ".join(f"{k} {v:.0f}" for k, v in stage.items())
+                   + f". Inside the search: {new:.0f} valset scores of the candidates (the incumbent's are the "
+                   f"baseline's, memoised), {fresh:.0f} finalists' fresh-example scores, "
+                   f"{search - new - fresh:.0f} bootstrap calls. Pruned: {pruned:.1f} of {tried:.1f} candidates, "
+                   f"after {after:.0f} valset examples on average. Every candidate of the "
+                   f"{', '.join(f'`{m}`' for m in DETAILED)} runs, with its scores, whole-valset score and "
+                   f"the pruner's reason, is in `{seeds_file}` (`search.candidates`), with every search's report.")
+    runs = [r[name] for r in rows for name in r if "pruner_error" in r[name]]
     if runs:
-        bad = sum(bool(r["pruner_error"]) for _, r in runs)
+        bad = sum(bool(r["pruner_error"]) for r in runs)
         upper = beta.ppf(0.95, bad + 1, len(runs) - bad) if bad < len(runs) else 1.0
         out.append(f"* Pruner error: in {bad} of {len(runs)} runs that pruned (all pruning methods pooled) a pruned "
                    f"candidate's full-valset score was above the returned program's (one-sided 95% upper bound "
-                   f"{upper:.3f} a run). Each prune decision is a one-sided test at 5% against the leader; the "
-                   "finalists' re-scoring on fresh examples may also return a program whose valset score is below "
-                   "another's, by design, which counts here as an error too.")
+                   f"{upper:.3f} a run; stated: at most {STATED_ERROR:.0%}). Each prune decision is a one-sided 5% "
+                   "test of whether the challenger's whole-valset score is below the leader's; the finalists' "
+                   "re-scoring on fresh examples may also return a program whose valset score is below another's, "
+                   "by design, which counts here as an error too.")
     changed = total_f = 0
     for r in rows:
         for row in r.values():
@@ -441,15 +479,23 @@ def notes(payload: dict[str, Any]) -> list[str]:
             if len(fin) > 1:
                 total_f += 1
                 by_val = max(fin, key=lambda f: (f["val"], -f["candidate"]))["candidate"]
-                changed += by_val != max(fin, key=lambda f: (f["combined"], -f["candidate"]))["candidate"]
+                changed += by_val != row["search"].get("best_candidate")
     if total_f:
         out.append(f"* Winner's curse guard: in {total_f} flowopt runs several finalists could not be told apart on "
-                   f"the valset; re-scoring them on unused training examples changed the pick in {changed}.")
+                   "the valset; re-scoring them on unused training examples (only while their order was uncertain) "
+                   f"changed the pick in {changed}.")
     out.append("* BFRS and MIPROv2 run DSPy's own code; `mipro`/`gepa` stages run the same optimizers inside "
                "`compile()` (their extra calls are compile's baseline and final check). DSPy's cache is off for "
-               "every method, flowopt's own score memo (same program, same example) stays on.")
+               "every method; flowopt's own score memo (same program, same example) stays on by design: the "
+               "search's incumbent and the compiler's final check reuse scores already paid for.")
     return out
 
 
+def args_val(rows: list[dict[str, Any]]) -> int:
+    """The incumbent's scored examples (the whole valset) in these runs."""
+    return max(c["scored"] for r in rows for c in r["search"]["fully_scored_candidates"])
+
+
 if __name__ == "__main__":
-    main()
+    setup_logging()
+    raise SystemExit(main())

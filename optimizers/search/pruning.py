@@ -7,13 +7,22 @@ at each rung all live candidates have scores on the same examples. The rules, gi
   so far) example by example. With 0/1 scores: McNemar's exact test on the examples where exactly
   one of the two is right; otherwise a one-sided paired normal bound on the mean difference. Prune
   only when the challenger is worse at one-sided level ``alpha`` (0.05). A tie never prunes.
+  What is tested is the question the search asks: is the challenger's score on the *whole valset*
+  below the leader's? The scored prefix is a sample drawn without replacement from that finite valset
+  (one shuffled order), so the test carries the finite-population correction: McNemar becomes its
+  hypergeometric version (worst case over how many of the unscored examples are discordant), the
+  normal bound shrinks by ``sqrt((N - m) / (N - 1))``. Once every example is scored the verdict is
+  exact; a challenger that cannot catch up on the examples left is pruned with certainty.
 * ``"halving"``: successive halving. Keep the best ``1/reduction_factor`` of the challengers scored
   that far and everyone tied with the last kept; the incumbent is ranked with nobody (it never takes
   a keep slot).
 * ``"median"``: prune a challenger strictly below the median of all candidates scored that far.
 
 The incumbent (the program the stage starts from) is never pruned. The first rung is at least
-``max(20, 25% of the valset)`` examples, so no decision rests on a handful of examples.
+``max(20, 25% of the valset)`` examples, so no decision rests on a handful of examples. The
+confidence rule then looks again every 5% of the valset (:func:`looks`); each look is a decision at
+level ``alpha``, and the search's benchmark measures how often a pruned candidate's whole-valset
+score ends above the returned program's.
 
 Example:
     >>> from flowopt.optimizers.search.pruning import first_rung, rungs, worse_than
@@ -23,6 +32,10 @@ Example:
     True
     >>> worse_than([1.0, 0.0] * 15, [0.0, 1.0] * 15)      # a tie never prunes
     False
+    >>> worse_than([0.0] * 14 + [1.0] * 6 + [1.0] * 56, [1.0] * 14 + [0.0] * 6 + [1.0] * 56)  # 14 v 6: p = 0.058
+    False
+    >>> worse_than([0.0] * 14 + [1.0] * 6 + [1.0] * 56, [1.0] * 14 + [0.0] * 6 + [1.0] * 56, population=100)
+    True
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from collections.abc import Mapping, Sequence
 PRUNE_RULES = ("confidence", "halving", "median", "none")
 MIN_FIRST_RUNG = 20
 ALPHA = 0.05
+FINITE_UP_TO = 2000  # examples left beyond which the finite-population test gains nothing over McNemar's
 
 
 def first_rung(n: int, requested: int | None = None) -> int:
@@ -53,15 +67,36 @@ def rungs(n: int, first: int, growth: float = 2.0) -> list[int]:
     return [*out, n] if n else [0]
 
 
+def looks(n: int, first: int, every: int | None = None) -> list[int]:
+    """Cumulative ends of a group-sequential race: ``first``, then every ``every`` examples (default
+    5% of ``n``) up to ``n``. Looks cost no LM calls, only a pause to judge, so a candidate that falls
+    clearly behind stops within a few examples of it.
+
+    Example:
+        >>> looks(100, 25)[:4], looks(100, 25)[-2:], looks(30, 20)
+        ([25, 30, 35, 40], [95, 100], [20, 22, 24, 26, 28, 30])
+    """
+    step = max(1, every if every is not None else round(n / 20))
+    return [*range(min(first, n), n, step), n] if n else [0]
+
+
 def _binary(values: Sequence[float]) -> bool:
     return all(v in (0.0, 1.0) for v in values)
 
 
-def worse_than(challenger: Sequence[float], leader: Sequence[float], alpha: float = ALPHA) -> bool:
+def worse_than(challenger: Sequence[float], leader: Sequence[float], alpha: float = ALPHA,
+               population: int | None = None) -> bool:
     """Is ``challenger`` worse than ``leader`` on these paired scores, at one-sided level ``alpha``?
 
     0/1 scores: McNemar's exact test (a one-sided binomial test on the discordant pairs). Other
     scores: the upper ``1 - alpha`` normal bound of the mean paired difference is below 0.
+
+    ``population``: the scores are a random prefix of a finite set of that many examples (the
+    valset, in one shuffled order) and the question is about the whole set. Then the discordant
+    pairs seen are drawn without replacement from the set's ``K`` discordant pairs, of which at most
+    ``K // 2`` go against the challenger under the null; ``K`` is unknown (between the ``d`` seen and
+    ``d`` plus the examples left), so the p-value is the largest over those ``K``. Graded scores: the
+    normal bound with the finite-population correction.
     """
     n = min(len(challenger), len(leader))
     if n == 0:
@@ -69,44 +104,87 @@ def worse_than(challenger: Sequence[float], leader: Sequence[float], alpha: floa
     a, b = list(challenger[:n]), list(leader[:n])
     if sum(a) >= sum(b):  # not behind: a tie or better never prunes
         return False
+    left = max(0, population - n) if population is not None else None
     if _binary(a) and _binary(b):
-        from scipy.stats import binomtest
-
         losses = sum(1 for x, y in zip(a, b) if x < y)
         wins = sum(1 for x, y in zip(a, b) if x > y)
-        return bool(binomtest(losses, losses + wins, 0.5, alternative="greater").pvalue < alpha)
+        return _mcnemar_p(losses, wins, left) < alpha
     from scipy.stats import norm
 
     diffs = [x - y for x, y in zip(a, b)]
     mean = statistics.fmean(diffs)
     sd = statistics.stdev(diffs) if n > 1 else 0.0
-    return mean + norm.ppf(1 - alpha) * sd / math.sqrt(n) < 0
+    if left is not None and population is not None and population > 1:
+        sd *= math.sqrt(left / (population - 1))  # finite-population correction: nothing left, no doubt
+    return bool(mean + norm.ppf(1 - alpha) * sd / math.sqrt(n) < 0)
+
+
+def _mcnemar_p(losses: int, wins: int, left: int | None) -> float:
+    """One-sided p-value of ``losses`` against ``wins`` among the discordant pairs (null: the challenger
+    loses at most half of them). ``left=None``: McNemar's exact binomial test (an infinite population);
+    otherwise the hypergeometric version over a finite set with ``left`` examples still unscored."""
+    d = losses + wins
+    if left is None or left > FINITE_UP_TO:  # McNemar's binomial p bounds every hypergeometric one above
+        from scipy.stats import binomtest
+
+        return float(binomtest(losses, d, 0.5, alternative="greater").pvalue)
+    import numpy as np
+    from scipy.stats import hypergeom
+
+    totals = np.arange(d, d + left + 1)  # the set's discordant pairs: those seen, plus any of the rest
+    return float(np.max(hypergeom.sf(losses - 1, totals, totals // 2, d)))
 
 
 def to_prune(rule: str, live: Mapping[int, Sequence[float]], others: Mapping[int, Sequence[float]], step: int,
-             incumbent: int | None, *, reduction_factor: int = 3, alpha: float = ALPHA) -> set[int]:
+             incumbent: int | None, *, reduction_factor: int = 3, alpha: float = ALPHA,
+             population: int | None = None) -> set[int]:
     """Which ``live`` candidates to prune at the rung ending at example ``step``.
 
     ``live`` maps candidate numbers to their scores so far (at least ``step`` of them, in valset
     order); ``others`` holds candidates of earlier waves (finished or pruned), compared on their first
     ``step`` scores when they have that many. ``incumbent`` is never pruned and takes no keep slot.
+    ``population``: the valset's size, for the confidence rule's finite-population test.
+    """
+    return set(verdicts(rule, live, others, step, incumbent, reduction_factor=reduction_factor, alpha=alpha,
+                        population=population))
+
+
+def verdicts(rule: str, live: Mapping[int, Sequence[float]], others: Mapping[int, Sequence[float]], step: int,
+             incumbent: int | None, *, reduction_factor: int = 3, alpha: float = ALPHA,
+             population: int | None = None) -> dict[int, str]:
+    """:func:`to_prune`, with the reason for each prune (for the report).
+
+    Example:
+        >>> verdicts("confidence", {1: [1.0] * 25, 2: [1.0] * 19 + [0.0] * 6}, {}, 25, None)
+        {2: 'worse than candidate 1 at one-sided 5%: 0.760 vs 1.000 on the first 25 examples (6 losses, 0 wins)'}
     """
     if rule == "none":
-        return set()
+        return {}
     scored = {k: list(v[:step]) for k, v in {**others, **live}.items() if len(v) >= step}
     challengers = [k for k in live if k != incumbent]
+    means = {k: statistics.fmean(v) if v else 0.0 for k, v in scored.items()}
     if rule == "confidence":
         leader = max(scored, key=lambda k: (sum(scored[k]), -k))
-        return {k for k in challengers if k != leader and worse_than(scored[k], scored[leader], alpha)}
-    means = {k: statistics.fmean(v) if v else 0.0 for k, v in scored.items()}
+        lead = scored[leader]
+        out = {}
+        for k in challengers:
+            if k != leader and worse_than(scored[k], lead, alpha, population=population):
+                losses = sum(1 for x, y in zip(scored[k], lead) if x < y)
+                wins = sum(1 for x, y in zip(scored[k], lead) if x > y)
+                out[k] = (f"worse than candidate {leader} at one-sided {alpha:.0%}: {means[k]:.3f} vs "
+                          f"{means[leader]:.3f} on the first {step} examples ({losses} losses, {wins} wins)")
+        return out
     if len(means) < 3:
-        return set()
+        return {}
     if rule == "median":
         middle = statistics.median(means.values())
-        return {k for k in challengers if means[k] < middle}
+        return {k: f"below the median {middle:.3f} of {len(means)} candidates: {means[k]:.3f} on the first "
+                   f"{step} examples" for k in challengers if means[k] < middle}
     if rule == "halving":
         ranked = sorted((k for k in means if k != incumbent), key=lambda k: (-means[k], k))
         kept = ranked[: math.ceil(len(ranked) / reduction_factor)]
         bar = min(means[k] for k in kept) if kept else float("-inf")
-        return {k for k in challengers if means[k] < bar}  # everyone tied with the last kept stays
+        # everyone tied with the last kept stays
+        return {k: f"below the best 1/{reduction_factor} of the challengers (bar {bar:.3f}): {means[k]:.3f} on the "
+                   f"first {step} examples" for k in challengers if means[k] < bar}
     raise ValueError(f"unknown pruning rule {rule!r}")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import dspy
 
 from flowopt.compiler import StageContext, clone_program
-from flowopt.optimizers.demos import bootstrap_pool, labeled_demos, shuffled_bootstrap
+from flowopt.optimizers.demos import bootstrap_pool, compose_demos, labeled_demos, shuffled_bootstrap
 from flowopt.optimizers.search.instructions import instruction_candidates
 
 if TYPE_CHECKING:
@@ -55,8 +55,12 @@ class SearchSpace:
     @classmethod
     def build(cls, stage: RandomSearch, program: dspy.Module, ctx: StageContext, lm_pool: Executor) -> SearchSpace:
         space = cls._start(stage, program)
-        sets = space._fixed_sets(stage, program, ctx)
-        sets.extend(space._bootstraps(stage, program, ctx, lm_pool))
+        unshuffled = _unshuffled_slot(stage, program)
+        sets = space._fixed_sets(stage, program, ctx, unshuffled)
+        bootstraps = space._bootstraps(stage, program, ctx, lm_pool, unshuffled)
+        if unshuffled:  # in the zero-shot slot, second
+            sets.insert(1, bootstraps.pop(0))
+        sets.extend(bootstraps)
         pool = None
         distinct = {repr(sorted(d.items())) for _, demos in sets for ds in demos.values() for d in ds}
         if stage.pool_size > len(distinct) and stage.may_sample() and stage.max_demos:
@@ -72,9 +76,13 @@ class SearchSpace:
     @classmethod
     def without_lm(cls, stage: RandomSearch, program: dspy.Module, ctx: StageContext) -> SearchSpace:
         """The space of the candidates that need no LM call to define (incumbent, zero-shot, labeled):
-        they apply exactly as in the full space, so a shared search can score them while it plans."""
+        they apply exactly as in the full space, so a shared search can score them while it plans.
+        They are the full space's first candidates: when the unshuffled bootstrap takes the second slot,
+        only the incumbent comes before it."""
         space = cls._start(stage, program)
-        space._set_pools(space._fixed_sets(stage, program, ctx), None)
+        unshuffled = _unshuffled_slot(stage, program)
+        sets = space._fixed_sets(stage, program, ctx, unshuffled)
+        space._set_pools(sets[:1] if unshuffled else sets, None)
         space.instructions = {name: [p.signature.instructions] for name, p in program.named_predictors()}
         space._node_settings(stage, program)
         return space
@@ -87,13 +95,12 @@ class SearchSpace:
         space.predictors = [n for n, _ in program.named_predictors()]
         return space
 
-    def _fixed_sets(self, stage: RandomSearch, program: dspy.Module,
-                    ctx: StageContext) -> list[tuple[str, dict[str, list[dict[str, Any]]]]]:
-        """The incumbent's, zero-shot and labeled-only demo sets (as many as ``n_candidates`` allows)."""
-        current = {n: [d.toDict() if hasattr(d, "toDict") else dict(d) for d in p.demos]
-                   for n, p in program.named_predictors()}
-        sets: list[tuple[str, dict[str, list[dict[str, Any]]]]] = [("incumbent", current)]
-        if stage.n_candidates > 1:
+    def _fixed_sets(self, stage: RandomSearch, program: dspy.Module, ctx: StageContext,
+                    unshuffled: bool = False) -> list[tuple[str, dict[str, list[dict[str, Any]]]]]:
+        """The incumbent's, zero-shot and labeled-only demo sets (as many as ``n_candidates`` allows;
+        no zero-shot one when the unshuffled bootstrap takes its slot)."""
+        sets: list[tuple[str, dict[str, list[dict[str, Any]]]]] = [("incumbent", _current_demos(program))]
+        if stage.n_candidates > 1 and not unshuffled:
             sets.append(("zero-shot", {n: [] for n in self.predictors}))
         if stage.n_candidates > 2:
             sets.append(("labeled", labeled_demos(ctx.trainset, stage.max_labeled_demos, ctx.seed, self.predictors)))
@@ -110,24 +117,32 @@ class SearchSpace:
         self.seeded = [(kind, [[self.pools[n].index(d) for d in demos[n]] for n in self.predictors])
                        for kind, demos in sets]
 
-    def _bootstraps(self, stage: RandomSearch, program: dspy.Module, ctx: StageContext,
-                    lm_pool: Executor) -> list[tuple[str, dict[str, list[dict[str, Any]]]]]:
-        """DSPy's shuffled-bootstrap candidates, all bootstrapped at once on the shared LM threads."""
+    def _bootstraps(self, stage: RandomSearch, program: dspy.Module, ctx: StageContext, lm_pool: Executor,
+                    unshuffled: bool = False) -> list[tuple[str, dict[str, list[dict[str, Any]]]]]:
+        """DSPy's shuffled-bootstrap candidates (after its unshuffled one, kind ``"bootstrap"``, when
+        ``unshuffled``), all bootstrapped at once on the shared LM threads."""
         count = stage.seeded_count()
-        if not count:
+        if not count and not unshuffled:
             return []
+        names = [n for n, _ in program.named_predictors()]
+        size = max(1, stage.max_demos)
 
         def one(i: int) -> tuple[dict[str, list[dict[str, Any]]], str | None]:
-            return shuffled_bootstrap(program, ctx, i, max_bootstrapped=max(1, stage.max_demos),
+            if i < 0:  # DSPy's BootstrapFewShot on the trainset in order, as the demos stage runs it
+                pool = bootstrap_pool(program, ctx, successes=size, max_labeled_demos=stage.max_labeled_demos,
+                                      metric_threshold=stage.metric_threshold, executor=lm_pool)
+                return compose_demos(ctx, pool, names, size, stage.max_labeled_demos), pool.exhausted_by
+            return shuffled_bootstrap(program, ctx, i, max_bootstrapped=size,
                                       max_labeled=stage.max_labeled_demos, metric_threshold=stage.metric_threshold,
                                       executor=lm_pool)
 
-        with ThreadPoolExecutor(max_workers=count, thread_name_prefix="flowopt-seeds") as seeds:
-            futures = [seeds.submit(contextvars.copy_context().run, one, i) for i in range(count)]
+        numbers = [*([-1] if unshuffled else []), *range(count)]
+        with ThreadPoolExecutor(max_workers=len(numbers), thread_name_prefix="flowopt-seeds") as seeds:
+            futures = [seeds.submit(contextvars.copy_context().run, one, i) for i in numbers]
             results = [f.result() for f in futures]
         for _, exhausted in results:
             self.pool_exhausted_by = self.pool_exhausted_by or exhausted
-        return [(f"bootstrap-{i}", demos) for i, (demos, _) in enumerate(results)]
+        return [("bootstrap" if i < 0 else f"bootstrap-{i}", demos) for i, (demos, _) in zip(numbers, results)]
 
     def _node_settings(self, stage: RandomSearch, program: dspy.Module) -> None:
         nodes = getattr(program, "nodes", None)
@@ -219,3 +234,15 @@ def _dedup(values: list[Any]) -> list[Any]:
         if v not in out:
             out.append(v)
     return out
+
+
+def _current_demos(program: dspy.Module) -> dict[str, list[dict[str, Any]]]:
+    return {name: [d.toDict() if hasattr(d, "toDict") else dict(d) for d in predictor.demos]
+            for name, predictor in program.named_predictors()}
+
+
+def _unshuffled_slot(stage: RandomSearch, program: dspy.Module) -> bool:
+    """An incumbent without demos is the zero-shot program already: its slot goes to DSPy's unshuffled
+    bootstrap instead (BFRS's seed -1, the demos stage's program), so a search run on its own tries
+    BFRS's very candidates and races that one like the rest instead of scoring it in full."""
+    return stage.n_candidates > 1 and not any(_current_demos(program).values())

@@ -5,7 +5,9 @@ DSPy's ``BootstrapFewShotWithRandomSearch`` (BFRS) set, so the search is never w
 the same count:
 
 * the incumbent (the program the stage starts from);
-* zero-shot, labeled demos only, then ``n_candidates - 3`` shuffled bootstraps of DSPy's full demo
+* zero-shot (or, when the incumbent has no demos and so is the zero-shot program, DSPy's unshuffled
+  bootstrap: the demos stage's program, raced like the rest instead of scored in full), labeled
+  demos only, then ``n_candidates - 3`` shuffled bootstraps of DSPy's full demo
   size, each with its own teacher and a random number of traces topped up with labeled demos (see
   :func:`~flowopt.optimizers.demos.shuffled_bootstrap`; with seed 0 these are BFRS's very
   candidates). ``seeded=k`` keeps only ``k`` bootstraps and samples the rest;
@@ -18,13 +20,17 @@ the same count:
 Candidates are raced in waves: the examples of every live candidate share one pool of
 ``num_threads`` threads, rung by rung over one shuffled order of the valset, and after each rung the
 pruner (:mod:`~flowopt.optimizers.search.pruning`; default ``"confidence"``: paired test against the
-leader, pruned only when worse at one-sided 95%) stops the candidates that are behind. Scores are
+leader of whether the challenger's *whole-valset* score is below the leader's, pruned only when so at
+one-sided 95%, looking again every 5% of the valset) stops the candidates that are behind. Scores are
 memoised, so the incumbent, the zero-shot program and the compiler's final check cost nothing again.
+The report lists every candidate: its kind, how many examples it was scored on, its mean there, and
+for a pruned one the pruner's reason.
 
 Winner's curse: the best of many valset scores is biased upward. The finalists (up to ``finalists``
 fully scored candidates that the valset cannot tell from the leader) are re-scored on training
-examples that are demos of none of them, and the winner is the best on valset + those examples;
-the report gives both scores for each finalist.
+examples that are demos of none of them, a chunk at a time and only while their order is uncertain
+(a finalist shown worse on valset + fresh so far stops), and the winner is the best on valset + those
+examples; the report gives both scores for each finalist.
 
 Storage and resume: with a ``run_dir`` the study is an sqlite file, ``search.db`` in the stage's folder
 (``run_dir/stages/NN-search/``), used by one process at a time; a killed search resumes from it
@@ -36,6 +42,8 @@ machines: see :mod:`~flowopt.optimizers.search.shared`.
 
 from __future__ import annotations
 
+import math
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +54,7 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
-from flowopt.optimizers.search.pruning import PRUNE_RULES, first_rung, rungs, to_prune, worse_than
+from flowopt.optimizers.search.pruning import PRUNE_RULES, first_rung, looks, rungs, verdicts, worse_than
 from flowopt.optimizers.search.shared import run_shared
 from flowopt.optimizers.search.shared_storage import exclusive_run_dir, is_shared
 from flowopt.optimizers.search.space import CandidateSource, SearchSpace
@@ -66,6 +74,8 @@ from flowopt.settings import above, at_least, between, check_stage, one_of
 
 SAMPLERS = ("random", "tpe")
 PRUNERS = PRUNE_RULES
+WHY_PRUNED = "why_pruned"  # user attr: the pruner's reason, in words
+FRESH_CHUNKS, FRESH_CHUNK_MIN = 4, 8  # the finalists' fresh examples come in about 4 chunks of at least 8
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,8 @@ class RandomSearch(Stage):
         alpha: the confidence pruner's one-sided error level per decision.
         reduction_factor: successive halving's eta.
         minibatch_size: valset examples in the first rung (at least ``max(20, 25% of the valset)``);
-            later rungs grow 1.25x (``confidence``: more chances to stop early) or 2x.
+            then ``confidence`` looks again every 5% of the valset (a trailing candidate stops within
+            a few examples of falling clearly behind), the other rules at rungs growing 2x.
         parallel: candidates raced at once (default: all planned ones for ``"random"``, 4 for
             ``"tpe"``; extras go 4 at a time).
         finalists: how many fully scored candidates to re-score against the winner's curse (0: off).
@@ -185,7 +196,9 @@ class RandomSearch(Stage):
         """Where the rungs end on a valset of ``n`` examples (cumulative counts; the last is ``n``)."""
         if self.pruner == "none":
             return [n]
-        return rungs(n, first_rung(n, self.minibatch_size), 1.25 if self.pruner == "confidence" else 2.0)
+        if self.pruner == "confidence":
+            return looks(n, first_rung(n, self.minibatch_size))
+        return rungs(n, first_rung(n, self.minibatch_size), 2.0)
 
     def scores_its_start(self) -> bool:
         """A shared search scores the incumbent (the program it starts from) on the whole valset as
@@ -295,11 +308,12 @@ class RandomSearch(Stage):
                 if cum < len(order):
                     # Every candidate is scored on the rung before any is judged: verdicts don't depend on order.
                     live = {t.number: scores[t.number] for t, _ in alive}
-                    pruned = to_prune(self.pruner, live, others, cum, incumbent,
-                                      reduction_factor=self.reduction_factor, alpha=self.alpha)
+                    pruned = verdicts(self.pruner, live, others, cum, incumbent, reduction_factor=self.reduction_factor,
+                                      alpha=self.alpha, population=len(order))
                     for trial, candidate in alive:
                         if trial.number in pruned:
                             record_scores(trial, candidate, order, scores[trial.number], ctx)
+                            trial.set_user_attr(WHY_PRUNED, _candidate_words(study, pruned[trial.number]))
                             study.tell(trial, state=TrialState.PRUNED)
                     alive = [a for a in alive if a[0].number not in pruned]
             for trial, candidate in alive:
@@ -325,24 +339,39 @@ class RandomSearch(Stage):
     def _finalists(self, complete: list[Any], space: CandidateSource, program: dspy.Module,
                    ctx: StageContext) -> list[dict[str, Any]]:
         """Re-score the fully scored candidates the valset cannot tell from the leader on training
-        examples that are demos of none of them; pick by valset + fresh mean."""
+        examples that are demos of none of them, a chunk at a time, only while their order is
+        uncertain: after each chunk a finalist shown worse (valset + fresh so far, the confidence
+        test) than the best one stops. The winner is the best by valset + fresh mean of those left."""
         close = self.close_finalists(complete)
         programs = [space.apply(program, t) for t in close]
         fresh = self.fresh_examples(programs, ctx)
         fresh_scores: list[list[float]] = [[] for _ in close]
-        if len(close) > 1 and fresh:
-            try:
-                fresh_scores = [r.scores for r in ctx.evaluate_many([(p, fresh) for p in programs],
-                                                                   desc=f"{len(close)} finalists, fresh examples")]
-            except BudgetExhausted:
-                fresh_scores = [[] for _ in close]
+        left = list(range(len(close)))
+        stopped: dict[int, str] = {}
+        chunk = max(FRESH_CHUNK_MIN, math.ceil(len(fresh) / FRESH_CHUNKS))
+        try:
+            while len(left) > 1 and (done := len(fresh_scores[left[0]])) < len(fresh):
+                batch = fresh[done:done + chunk]
+                results = ctx.evaluate_many([(programs[i], batch) for i in left],
+                                            desc=f"{len(left)} finalists, fresh {done + len(batch)}/{len(fresh)}")
+                for i, result in zip(left, results):
+                    fresh_scores[i].extend(result.scores)
+                both = {i: [*close[i].user_attrs[SCORES], *fresh_scores[i]] for i in left}
+                best = max(left, key=lambda i: (sum(both[i]), -i))
+                for i in left:
+                    if i != best and worse_than(both[i], both[best], self.alpha):
+                        stopped[i] = (f"worse than candidate {_number(close[best])} on valset + {len(fresh_scores[i])} "
+                                      f"fresh examples at one-sided {self.alpha:.0%}")
+                left = [i for i in left if i not in stopped]
+        except BudgetExhausted:  # nothing fair to compare on: fall back to the valset alone
+            fresh_scores, left, stopped = [[] for _ in close], list(range(len(close))), {}
         rows = []
-        for trial, extra in zip(close, fresh_scores):
+        for i, (trial, extra) in enumerate(zip(close, fresh_scores)):
             val = trial.user_attrs[SCORES]
-            rows.append({"candidate": trial.user_attrs.get("candidate", trial.number),
-                         "kind": trial.user_attrs.get("kind"), "val": round(_mean(val), 6),
+            rows.append({"candidate": _number(trial), "kind": trial.user_attrs.get("kind"), "val": round(_mean(val), 6),
                          "fresh": round(_mean(extra), 6) if extra else None, "fresh_n": len(extra),
-                         "combined": round(_mean([*val, *extra]), 6), "trial": trial})
+                         "combined": round(_mean([*val, *extra]), 6), "in_final": i in left,
+                         **({"stopped": stopped[i]} if i in stopped else {}), "trial": trial})
         return rows
 
     def _best(self, study: Any, space: CandidateSource, program: dspy.Module, ctx: StageContext,
@@ -365,7 +394,7 @@ class RandomSearch(Stage):
             return program
         rows = self._finalists(complete, space, program, ctx) if self.finalists else []
         if rows:
-            best_row = max(rows, key=lambda r: (r["combined"], -r["candidate"]))
+            best_row = max((r for r in rows if r["in_final"]), key=lambda r: (r["combined"], -r["candidate"]))
             best = best_row["trial"]
         else:
             best = max(complete, key=lambda t: (t.value, -t.user_attrs.get("candidate", t.number)))
@@ -374,13 +403,35 @@ class RandomSearch(Stage):
         why = (f"best valset mean {best.value:.3f} over {n_val} examples among {len(complete)} fully scored"
                + (f" (runner-up {runner_up.value:.3f})" if runner_up is not None else ""))
         if len(rows) > 1:
-            fresh_n = rows[0]["fresh_n"]
-            why = (f"best mean over the valset + {fresh_n} fresh training examples among {len(rows)} finalists "
-                   f"the valset could not tell apart")
-        ctx.record(best_candidate=best.user_attrs.get("candidate", best.number), best_kind=best.user_attrs.get("kind"),
+            why = (f"best mean over the valset + {best_row['fresh_n']} fresh training examples among {len(rows)} "
+                   f"finalists the valset could not tell apart"
+                   + (f" ({len(rows) - sum(r['in_final'] for r in rows)} stopped early, shown worse)"
+                      if not all(r["in_final"] for r in rows) else ""))
+        ctx.record(best_candidate=_number(best), best_kind=best.user_attrs.get("kind"),
                    best_value=round(best.value, 6), why=why,
-                   finalists=[{k: v for k, v in r.items() if k != "trial"} for r in rows])
+                   finalists=[{k: v for k, v in r.items() if k != "trial"} for r in rows],
+                   candidates=[_summary(t) for t in sorted(complete + pruned, key=_number)])
         return space.apply(program, best)
+
+
+def _number(trial: Any) -> int:
+    return int(trial.user_attrs.get("candidate", trial.number))
+
+
+def _summary(trial: Any) -> dict[str, Any]:
+    """One candidate's line in the report: what it was, how far it was scored, and why it stopped."""
+    values = trial.user_attrs.get(SCORES, [])
+    row = {"candidate": _number(trial), "kind": trial.user_attrs.get("kind"), "scored": len(values),
+           "mean": round(_mean(values), 4)}
+    if WHY_PRUNED in trial.user_attrs:
+        row["pruned"] = trial.user_attrs[WHY_PRUNED]
+    return row
+
+
+def _candidate_words(study: Any, reason: str) -> str:
+    """The pruner names trials by their optuna number; the report names candidates."""
+    numbers = {t.number: _number(t) for t in study.get_trials(deepcopy=False)}
+    return re.sub(r"candidate (\d+)", lambda m: f"candidate {numbers.get(int(m.group(1)), m.group(1))}", reason)
 
 
 def _earlier_scores(trials: list[Any], exclude: set[int]) -> dict[int, list[float]]:

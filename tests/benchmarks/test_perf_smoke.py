@@ -8,6 +8,7 @@ rots. Scripts whose optional peer is missing (TRL, llama-cpp-python) are skipped
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from flowopt.benchmarks.perf.harness import read_results
 
 PERF_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "perf"
 # Scripts in benchmarks/perf/ that are not yet on the harness (each being rewritten in its own issue).
-NOT_ON_HARNESS = {"structure_search_sim", "search_generalisation"}
+NOT_ON_HARNESS = {"structure_search_sim"}
 SHARED_MODULES = {"__init__", "lm_workload", "structure_families"}  # imported by scripts, not run
 
 
@@ -47,6 +48,14 @@ def _compile_vs_dspy(r: dict[str, Any]) -> None:
     for side in ("dspy_bfrs", "flowopt", "flowopt_defaults"):
         assert 0.0 <= r[side]["val_score"] <= 1.0 and r[side]["lm_calls"] > 0
     assert r["dspy_bfrs"]["candidates"] == 2 + 3  # --candidates 2, plus zero-shot, labeled and unshuffled
+
+
+def _search_generalisation(r: dict[str, Any]) -> None:
+    methods = ["bfrs8", "flowopt8", "flowopt8_extra0", "flowopt_at_bfrs8_calls", "mipro_stage", "gepa_stage"]
+    assert list(r["summary"]) == methods and r["seeds"] == [0, 1]
+    assert all(0.0 <= e["test_expected"] <= 1.0 and e["lm_calls"] > 0 for e in r["summary"].values())
+    assert r["summary"]["bfrs8"]["calls_ratio"] == 1.0
+    assert all(len(r["per_seed"][m]["lm_calls"]) == 2 for m in methods)
 
 
 def _cpu_bf16_paths(r: dict[str, Any]) -> None:
@@ -110,6 +119,7 @@ def _shared_search(r: dict[str, Any]) -> None:
 SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "workflow_overhead": ((), _workflow_overhead),
     "compile_vs_dspy": ((), _compile_vs_dspy),
+    "search_generalisation": ((), _search_generalisation),
     "lm_throughput": ((), _lm_throughput),
     "parse_rate": ((), _parse_rate),
     "cpu_bf16_paths": ((), _cpu_bf16_paths),
@@ -152,3 +162,7 @@ def test_script_runs_at_smoke_size(name: str, tmp_path: Path) -> None:
         assert (stem.parent / image).is_file(), image
     if name == "gemma_weights_demo":
         assert (stem.parent / f"{name}_reward_curve.png").is_file()
+    if name == "search_generalisation":  # the per-seed rows, every candidate of the detailed runs
+        seeds = json.loads((stem.parent / payload["results"]["seeds_file"]).read_text())["seeds"]
+        lines = seeds[0]["rows"]["flowopt8_extra0"]["search"]["candidates"]
+        assert len(lines) == 11 and any("pruned: " in line and "whole valset" in line for line in lines)

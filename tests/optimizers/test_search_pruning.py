@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowopt.optimizers.search.pruning import first_rung, rungs, to_prune, worse_than
+from flowopt.optimizers.search.pruning import first_rung, looks, rungs, to_prune, verdicts, worse_than
 
 
 def _scores(mean: float, n: int, offset: int = 0) -> list[float]:
@@ -70,3 +70,73 @@ def test_rungs_grow_to_the_whole_valset():
     assert rungs(100, 25, growth=1.5) == [25, 38, 56, 84, 100]
     assert rungs(60, 20) == [20, 40, 60]
     assert rungs(12, 12) == [12]
+
+
+# ---------------------------------------------------------------- the whole-valset (finite-population) test
+def _pairs(losses: int, wins: int, ties: int) -> tuple[list[float], list[float]]:
+    """Challenger and leader scores with that many losses, wins and (both right) ties for the challenger."""
+    challenger = [0.0] * losses + [1.0] * wins + [1.0] * ties
+    leader = [1.0] * losses + [0.0] * wins + [1.0] * ties
+    return challenger, leader
+
+
+def test_finite_population_test_prunes_what_cannot_catch_up_on_the_examples_left():
+    # 3 losses, 0 wins after 97 of 100 examples: McNemar alone says p = 1/8, but even winning the 3
+    # examples left only ties the whole valset, and 4 behind with 3 left cannot.
+    assert not worse_than(*_pairs(3, 0, 94))
+    assert not worse_than(*_pairs(3, 0, 94), population=100)  # 3 left: a tie is still possible, a tie never prunes
+    assert worse_than(*_pairs(4, 0, 93), population=100)
+    assert worse_than(*_pairs(1, 0, 99), population=100)  # everything scored: one behind is behind
+
+
+def test_finite_population_test_is_mcnemar_on_an_unbounded_valset_and_never_stricter():
+    challenger, leader = _pairs(14, 6, 56)  # 76 examples seen: McNemar p = 0.058
+    assert not worse_than(challenger, leader)
+    assert not worse_than(challenger, leader, population=10**6)
+    assert worse_than(challenger, leader, population=100)  # 24 left: the hypergeometric p is 0.016
+    for losses, wins in [(5, 0), (6, 2), (9, 3), (12, 5)]:
+        for seen in (25, 50, 75):
+            plain = worse_than(*_pairs(losses, wins, seen - losses - wins))
+            assert not plain or worse_than(*_pairs(losses, wins, seen - losses - wins), population=100)
+
+
+def test_finite_population_test_keeps_its_level_when_the_whole_valset_is_tied():
+    # A valset of 100 where the challenger and the leader tie overall (15 losses, 15 wins): over random
+    # orders, a look at any prefix prunes the challenger in at most alpha of them.
+    import random
+
+    challenger, leader = _pairs(15, 15, 70)
+    rng = random.Random(0)
+    for seen in (40, 80):
+        pruned = 0
+        for _ in range(300):
+            order = rng.sample(range(100), seen)
+            pruned += worse_than([challenger[i] for i in order], [leader[i] for i in order], population=100)
+        assert pruned / 300 <= 0.05 + 0.025, (seen, pruned)  # 0.025: Monte Carlo slack at 300 draws
+
+
+def test_graded_scores_with_everything_scored_decide_by_the_sign():
+    leader = [0.5 + 0.01 * (i % 7) for i in range(40)]
+    behind = [x - 0.003 for x in leader]
+    assert worse_than([*behind[:39], leader[39] + 0.2], leader, population=40) is False  # ahead overall: never
+    noisy = [x - 0.003 + (0.05 if i % 2 else -0.05) for i, x in enumerate(leader)]
+    assert not worse_than(noisy, leader)
+    assert worse_than(noisy, leader, population=40)  # the whole valset is seen: behind is behind
+
+
+def test_looks_come_every_five_percent_after_the_first_rung():
+    assert looks(100, 25) == [25, 30, 35, 40, 45, 50, 55, 60, 65, 70, 75, 80, 85, 90, 95, 100]
+    assert looks(12, 12) == [12]
+    assert looks(40, 20, every=7) == [20, 27, 34, 40]
+
+
+def test_verdicts_say_why_each_candidate_was_pruned():
+    live = {0: [0.0] * 25, 1: [1.0] * 25, 2: [1.0] * 19 + [0.0] * 6, 3: [1.0] * 24 + [0.0]}
+    why = verdicts("confidence", live, {}, 25, incumbent=0)
+    assert set(why) == {2}
+    assert "worse than candidate 1" in why[2] and "(6 losses, 0 wins)" in why[2] and "first 25" in why[2]
+    halving = verdicts("halving", live, {}, 25, incumbent=0)
+    assert set(halving) == {2, 3} and all("best 1/3" in text for text in halving.values())
+    assert to_prune("halving", live, {}, 25, incumbent=0) == set(halving)
+    median = verdicts("median", live, {}, 25, incumbent=0)
+    assert set(median) == {2} and "median" in median[2]
