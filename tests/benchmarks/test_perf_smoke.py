@@ -21,7 +21,7 @@ from flowopt.benchmarks.perf.harness import read_results
 
 PERF_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "perf"
 # Scripts in benchmarks/perf/ that are not yet on the harness (each being rewritten in its own issue).
-NOT_ON_HARNESS = {"structure_search_sim", "search_generalisation", "shared_search"}
+NOT_ON_HARNESS = {"search_generalisation", "shared_search"}
 SHARED_MODULES = {"__init__", "lm_workload", "structure_families"}  # imported by scripts, not run
 
 
@@ -78,6 +78,17 @@ def _local_lm_cuda(r: dict[str, Any]) -> None:
     assert r["batch_sizes"][-1] > 1  # the 8 concurrent callers were batched
 
 
+def _structure_search_sim(r: dict[str, Any]) -> None:
+    deceptive = r["families"]["deceptive"]
+    assert deceptive["max_evals"] == 25 and deceptive["optimum"] == 0.76
+    summary = deceptive["summary"]
+    for method in ("search", "random_walk", "hill_climb"):
+        assert summary[method]["runs"] == 2 and summary[method]["median_evaluations"] <= 25
+        assert 0.0 <= summary[method]["mean_returned_true"] <= 0.76
+    assert [(row["method"], row["seed"]) for row in deceptive["runs"]] == [
+        (m, s) for m in ("search", "random_walk", "hill_climb") for s in (0, 1)]
+
+
 # script -> (modules it needs beyond flowopt's dependencies, checks of its results)
 SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "workflow_overhead": ((), _workflow_overhead),
@@ -89,6 +100,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "grpo_throughput": (("trl",), _grpo_throughput),
     "llama_cpp_throughput": (("llama_cpp",), _llama_cpp_throughput),
     "local_lm_cuda": ((), _local_lm_cuda),
+    "structure_search_sim": ((), _structure_search_sim),
 }
 
 
