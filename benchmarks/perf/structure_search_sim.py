@@ -568,10 +568,14 @@ def main(argv: list[str] | None = None) -> int:
     args = run.args
     if args.merge:
         parts = [_read_part(path) for path in args.merge]
+        args.merge = [str(path) for path in args.merge]  # recorded in the results' settings (JSON)
         families: dict[str, Any] = {}
         for part in parts:
             for fam_name, fam in part["families"].items():
-                families.setdefault(fam_name, {**fam, "runs": []})["runs"] += fam["runs"]
+                merged = families.setdefault(fam_name, {**fam, "runs": []})
+                if len(fam) > len(merged):  # a finished part knows more (the optimum of an enumerated space)
+                    merged.update({k: v for k, v in fam.items() if k not in ("runs", "summary")})
+                merged["runs"] += fam["runs"]
         for fam_name, fam in families.items():
             fam["summary"] = summarise(ALL_FAMILIES[fam_name](), fam["runs"])
         space = next((part["space"] for part in parts if part["space"]), {})
@@ -663,7 +667,9 @@ def _goals(families: dict[str, Any]) -> list[Goal]:
         search = summ["search"]
         goals.append(Goal.at_least(f"{name}: share of seeds the search returns the optimum",
                                    round(search["returned_optimum"] / search["runs"], 3), 0.9))
-        goals.append(Goal.at_least(f"{name}: seeds", search["runs"], 20))
+        ran = {m: summ[m]["runs"] for m in METHODS if m in summ}
+        goals.append(Goal.at_least(f"{name}: seeds of the method with fewest ({min(ran, key=ran.__getitem__)})",
+                                   min(ran.values()), 20))
         if "search_over_hill_climb" in summ:
             goals.append(Goal.at_most(f"{name}: search / hill climbing, median evals to optimum",
                                       summ["search_over_hill_climb"], 1.2))
@@ -686,8 +692,9 @@ def _markdown(data: dict[str, Any]) -> list[str]:
     lines = []
     for part in data["parts"]:
         load = part["load_average"]
-        lines.append(f"- part `{part['command']}`: load average {load['before']} before, {load['after']} after, "
-                     f"{part['wall_s']} s")
+        lines.append(f"- part `{part['command']}`: " + (f"load average {load['before']} before, {load['after']} "
+                                                          f"after, {part['wall_s']} s" if load["before"] else
+                                                          "its load was not recorded (see the load of this merge)"))
     if data["parts"]:
         lines.append("")
     lines += [
@@ -710,11 +717,14 @@ def _markdown(data: dict[str, Any]) -> list[str]:
                   f"nodes (enumerated; workflows by edits from `Predict`: {sp['depth_histogram']}).", ""]
     for name, fam in data["families"].items():
         summ = fam["summary"]
+        start = fam.get("start") or describe_structure(ALL_FAMILIES[name]().start().to_dict())
         deep = (f" ({fam['optimal_workflows']} optimal workflows, the nearest {fam['optimal_depth']} edits from "
-                f"the start `{fam['start']}`: `{fam['optimal_structure']}`; runner-up {fam['runner_up']})"
+                f"the start `{start}`: `{fam['optimal_structure']}`; runner-up {fam['runner_up']})"
                 if "optimal_depth" in fam else "")
+        optimum = "not recorded (its process was stopped before it wrote its results)" if fam["optimum"] is None \
+            else round(fam["optimum"], 6)
         lines += [f"## {name}", "", f"{fam['description']}. Budget {fam['max_evals']} evaluations; optimum "
-                  f"{round(fam['optimum'], 6)}{deep}.", ""]
+                  f"{optimum}{deep}.", ""]
         costs = any("median_lm_calls" in m for m in summ.values() if isinstance(m, dict))
         rows = []
         for method in [m for m in METHODS if m in summ]:

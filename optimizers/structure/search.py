@@ -533,8 +533,8 @@ def replay_log(program: Workflow, log: Sequence[Mapping[str, Any]]) -> dict[int,
 def pareto_point(node: TreeNode, *, with_workflow: bool = False) -> dict[str, Any]:
     """One point of the score/cost front, for reports: the node, its score, interval and cost (and its
     workflow's IR, so that a point can be picked later)."""
-    point = {"node": node.id, "score": node.score, "interval": list(node.interval), **node.cost,
-             "description": node.description}
+    point: dict[str, Any] = {"node": node.id, "score": node.score, "interval": list(node.interval), **node.cost,
+                             "description": node.description}
     if with_workflow:
         point["workflow"] = node.workflow
     return point
