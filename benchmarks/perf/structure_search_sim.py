@@ -79,7 +79,7 @@ from flowopt.benchmarks.perf.structure_families import FAMILIES, Family
 from flowopt.modules import Predict
 from flowopt.optimizers.structure import MCTS, Evaluation, InvalidEdit, RuleProposer, SearchSettings, Vocabulary
 from flowopt.optimizers.structure.baselines import hill_climb, random_walk
-from flowopt.optimizers.structure.edits import SELECT_INSTRUCTION, AddRefine, Edit
+from flowopt.optimizers.structure.edits import SELECT_INSTRUCTION, AddProgrammer, AddRefine, Edit, RemoveNode
 from flowopt.optimizers.structure.tree import ir_key
 from flowopt.testing import ScriptedEngine, ScriptedRequest
 
@@ -492,7 +492,9 @@ def needle() -> Family:
 def deep_start() -> Workflow:
     """A draft reviewed twice (Predict, then two Refine rounds of one): a plausible hand-built workflow,
     6 edits from the nearest optimum of the needle task."""
-    return AddRefine("solve", 1).apply(AddRefine("solve", 1).apply(initial_workflow()))
+    wf = AddProgrammer("solve").apply(AddRefine("solve", 1).apply(initial_workflow()))
+    # A second Refine right after the first is refused, so it goes in while the branch separates them.
+    return RemoveNode("solve_select").apply(AddRefine("solve", 1).apply(wf))
 
 
 def needle_deep() -> Family:
