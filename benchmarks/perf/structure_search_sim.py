@@ -35,7 +35,8 @@ the edits' own IR transforms (each new state validated once by ``Workflow.from_d
 optimum and shows that exactly one workflow reaches it.
 
 Families (``--families``; the others are defined in ``structure_families.py``): ``needle`` (this task,
-optimum found by enumerating the space), ``cost`` (this task ranked by accuracy minus 0.01 x LM calls
+optimum found by enumerating the space), ``needle_deep`` (the same task from a draft reviewed twice,
+5 edits from the nearest optimum), ``cost`` (this task ranked by accuracy minus 0.01 x LM calls
 per question, ``objective="penalised"``), ``additive`` (a 6-node chain, optimum 5 edits deep),
 ``deceptive`` (two edits that help only together) and ``noisy`` (each measurement on 30 examples; the
 search re-measures its leaders). For every family and seed, the search (``MCTS`` with the stage's
@@ -43,20 +44,18 @@ defaults), a random walk and hill climbing with restarts run side by side from t
 the same proposer and evaluation function. An evaluation is an evaluator call. Speed-only memo, which
 changes no count: an edit's result (a pure function of workflow and edit) is shared across runs.
 
-Run: python benchmarks/perf/structure_search_sim.py [--seeds 20] [--families ...] [--methods ...]
-[--method-seeds random_walk=5] [--name NAME]; ``--merge a.json b.json --name NAME`` combines runs made in
-separate processes. Writes benchmarks/results/NAME.{json,md}.
+Run: python -m flowopt.benchmarks.perf.structure_search_sim [--seeds 20] [--families ...] [--methods ...]
+[--method-budget random_walk=200] [--out STEM] [--smoke]; ``--merge a.json b.json --out STEM`` combines runs made
+in separate processes (e.g. one per family). Writes benchmarks/results/structure_search_sim.{json,md}.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
 import math
 import os
-import platform
 import random
 import re
 import statistics
@@ -75,19 +74,15 @@ os.environ.setdefault("DSPY_CACHEDIR", tempfile.mkdtemp(prefix="flowopt-sim-dspy
 import dspy
 
 from flowopt import Workflow
-from flowopt.errors import FlowoptError
-from flowopt.io import atomic_write_json, atomic_write_text
+from flowopt.benchmarks.perf.harness import SCHEMA, Goal, PerfParser, markdown_table, setup_logging, start_run
+from flowopt.benchmarks.perf.structure_families import FAMILIES, Family
 from flowopt.modules import Predict
 from flowopt.optimizers.structure import MCTS, Evaluation, InvalidEdit, RuleProposer, SearchSettings, Vocabulary
 from flowopt.optimizers.structure.baselines import hill_climb, random_walk
-from flowopt.optimizers.structure.edits import SELECT_INSTRUCTION, Edit
+from flowopt.optimizers.structure.edits import SELECT_INSTRUCTION, AddProgrammer, AddRefine, Edit, RemoveNode
 from flowopt.optimizers.structure.tree import ir_key
 from flowopt.testing import ScriptedEngine, ScriptedRequest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from structure_families import FAMILIES, Family
-
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 logger = logging.getLogger("structure_search_sim")
 
 KINDS = ("arith", "word")
@@ -184,44 +179,32 @@ def describe_structure(ir: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------- the space, enumerated
-def enumerate_space(vocabulary: Vocabulary) -> dict[str, dict[str, Any]]:
-    """Every workflow reachable from the initial one: key -> {"ir", "depth", "path"} (breadth first).
+def enumerate_space(vocabulary: Vocabulary, start: Workflow | None = None) -> dict[str, dict[str, Any]]:
+    """Every workflow reachable from ``start`` (default: the initial one): key -> {"ir", "depth", "path"}
+    (breadth first; depth is the fewest edits from ``start``).
 
-    Uses the edits' own IR transforms (:meth:`Edit.apply_ir`) and validates each new state once with
-    ``Workflow.from_dict`` (whose result gives the next edits), instead of building a workflow per edit.
+    Edits go through :class:`MemoVocabulary`, so each distinct edited graph is built and validated
+    (``Workflow.from_dict``) once per process, and the runs that follow reuse those workflows.
     """
-    start = initial_workflow()
-    ir0 = start.to_dict()
-    space = {ir_key(ir0): {"ir": ir0, "depth": 0, "path": []}}
-    frontier: list[tuple[dict[str, Any], Workflow, list[str]]] = [(ir0, start, [])]
-    refused = 0
-    normalised: dict[str, str | None] = {}
+    memo = MemoVocabulary(**{f: getattr(vocabulary, f) for f in vocabulary.__dataclass_fields__})
+    first = intern(start or initial_workflow())
+    space = {ir_key(_ir_of(first)): {"ir": _ir_of(first), "depth": 0, "path": []}}
+    frontier: list[tuple[Workflow, list[str]]] = [(first, [])]
     while frontier:
         nxt = []
-        for ir, wf, path in frontier:
-            for edit in vocabulary.candidates(wf):
+        for wf, path in frontier:
+            for edit in memo.candidates(wf):
                 try:
-                    new = edit.apply_ir(ir)
+                    new = memo.check(edit, wf)
                 except InvalidEdit:
                     continue
-                if len(new["nodes"]) > vocabulary.max_nodes:
-                    continue
-                raw = ir_key(new)
-                if raw not in normalised:  # validate and normalise each distinct edited graph once
-                    try:
-                        built = Workflow.from_dict(new)
-                    except FlowoptError:
-                        normalised[raw] = None
-                        refused += 1
-                        continue
-                    new = built.to_dict()  # the IR exactly as a real edit would produce it
-                    normalised[raw] = ir_key(new)
-                    if normalised[raw] not in space:
-                        space[normalised[raw]] = {"ir": new, "depth": len(path) + 1, "path": [*path, edit.describe()]}
-                        nxt.append((new, built, space[normalised[raw]]["path"]))
+                key = ir_key(_ir_of(new))
+                if key not in space:
+                    space[key] = {"ir": _ir_of(new), "depth": len(path) + 1, "path": [*path, edit.describe()]}
+                    nxt.append((new, space[key]["path"]))
         frontier = nxt
         logger.info("space: %d workflows (frontier %d)", len(space), len(frontier))
-    logger.info("space closed: %d workflows, %d edited graphs refused by validation", len(space), refused)
+    logger.info("space closed: %d workflows", len(space))
     return space
 
 
@@ -229,6 +212,7 @@ def enumerate_space(vocabulary: Vocabulary) -> dict[str, dict[str, Any]]:
 _IR_MEMO: dict[int, tuple[Workflow, dict[str, Any]]] = {}
 _APPLY_MEMO: dict[tuple[str, str, int], Workflow | InvalidEdit] = {}
 _INTERNED: dict[str, Workflow] = {}
+_BUILT: dict[str, Workflow | str] = {}  # edited IR (raw key) -> its workflow, or why it is invalid
 _TRUE: dict[tuple[str, str], float] = {}
 
 
@@ -241,21 +225,38 @@ def _ir_of(workflow: Workflow) -> dict[str, Any]:
 
 class MemoVocabulary(Vocabulary):
     """``Vocabulary`` whose ``check`` (apply an edit) is memoised across runs: a speed-only cache, as the
-    result is a pure function of the workflow and the edit. Workflows are interned by canonical JSON."""
+    result is a pure function of the workflow and the edit. The edited IR is computed as data first
+    (:meth:`Edit.apply_ir`, cheap); a workflow is built and validated (``Workflow.from_dict``, which
+    builds the DSPy modules, the slow part) once per distinct edited IR in the process, however many
+    runs and paths reach it. Workflows are interned by canonical JSON."""
 
     def check(self, edit: Edit, workflow: Workflow, *, ir: dict[str, Any] | None = None) -> Workflow:
         source = _ir_of(workflow)
         memo_key = (ir_key(source), json.dumps(edit.to_dict(), sort_keys=True), self.max_nodes)
         if memo_key not in _APPLY_MEMO:
-            try:
-                new = super().check(edit, workflow, ir=source)
-                _APPLY_MEMO[memo_key] = intern(new)
-            except InvalidEdit as err:
-                _APPLY_MEMO[memo_key] = err
+            _APPLY_MEMO[memo_key] = self._apply(edit, workflow, source)
         result = _APPLY_MEMO[memo_key]
         if isinstance(result, InvalidEdit):
             raise result
         return result
+
+    def _apply(self, edit: Edit, workflow: Workflow, source: dict[str, Any]) -> Workflow | InvalidEdit:
+        if edit.kind not in self.kinds:
+            return InvalidEdit(edit, f"kind {edit.kind!r} is not allowed here")
+        try:
+            edited = edit.apply_ir(source)
+        except InvalidEdit as err:
+            return err
+        if len(edited["nodes"]) > self.max_nodes:
+            return InvalidEdit(edit, f"the graph would have {len(edited['nodes'])} nodes, over {self.max_nodes}")
+        raw = ir_key(edited)
+        if raw not in _BUILT:
+            try:
+                _BUILT[raw] = intern(super().check(edit, workflow, ir=source))
+            except InvalidEdit as err:
+                _BUILT[raw] = err.reason
+        built = _BUILT[raw]
+        return InvalidEdit(edit, built) if isinstance(built, str) else built
 
 
 def intern(workflow: Workflow) -> Workflow:
@@ -321,7 +322,7 @@ def search_settings(family: Family) -> SearchSettings:
 
 
 # --------------------------------------------------------------------------------- the methods
-def run_method(method: str, seed: int, family: Family, target: float) -> dict[str, Any]:
+def run_method(method: str, seed: int, family: Family, target: float, budget: int | None = None) -> dict[str, Any]:
     """One run; deterministic families stop once the optimum is scored (the best scored is returned, so
     it is returned from then on), the noisy one spends its whole budget and returns its pick."""
     t0 = time.perf_counter()
@@ -330,7 +331,8 @@ def run_method(method: str, seed: int, family: Family, target: float) -> dict[st
     proposer = RuleProposer(MemoVocabulary(**{f: getattr(vocab, f) for f in vocab.__dataclass_fields__}))
     noisy = family.noise_examples is not None
     optimal = lambda ir: family.objective(ir) >= target - 1e-9  # noqa: E731
-    row: dict[str, Any] = {"method": method, "seed": seed}
+    budget = budget or family.max_evals
+    row: dict[str, Any] = {"method": method, "seed": seed, "budget": budget}
     if method == "search":
         evaluate = FamilyEvaluator(family, seed, target)
         search = MCTS(proposer, evaluate, search_settings(family), seed=seed,
@@ -347,7 +349,7 @@ def run_method(method: str, seed: int, family: Family, target: float) -> dict[st
         evaluate = FamilyEvaluator(family, seed, target, objective=not noisy)
         run = random_walk if method == "random_walk" else hill_climb
         found = run(start, proposer, lambda wf: _score_of(evaluate(wf)), seed=seed,
-                    max_evaluations=family.max_evals, target=None if noisy else target)
+                    max_evaluations=budget, target=None if noisy else target)
         best_ir = _ir_of(found.best)
         measured, true = found.best_score, family.true_score(best_ir)
         row.update(evaluations=found.evaluations)
@@ -487,13 +489,27 @@ def needle() -> Family:
                               f"{MAX_NODES} nodes: one optimal structure, deep in the space")
 
 
+def deep_start() -> Workflow:
+    """A draft reviewed twice (Predict, then two Refine rounds of one): a plausible hand-built workflow,
+    5 edits from the nearest optimum of the needle task."""
+    wf = AddProgrammer("solve").apply(AddRefine("solve", 1).apply(initial_workflow()))
+    # A second Refine right after the first is refused, so it goes in while the branch separates them.
+    return RemoveNode("solve_select").apply(AddRefine("solve", 1).apply(wf))
+
+
+def needle_deep() -> Family:
+    return Family("needle_deep", deep_start, VOCABULARY, expected_accuracy, max_evals=400,
+                  description="the needle task started from a draft reviewed twice (Predict, Refine, Refine): "
+                              "the nearest optimum is 5 edits away")
+
+
 def cost() -> Family:
     return Family("cost", initial_workflow, VOCABULARY, expected_accuracy, max_evals=400, lm_calls=lm_calls,
                   cost_weight=COST_WEIGHT,
                   description=f"the needle task ranked by accuracy - {COST_WEIGHT} x LM calls per question")
 
 
-ALL_FAMILIES: dict[str, Any] = {"needle": needle, "cost": cost, **FAMILIES}
+ALL_FAMILIES: dict[str, Any] = {"needle": needle, "needle_deep": needle_deep, "cost": cost, **FAMILIES}
 COST_WEIGHT = 0.01
 
 
@@ -506,8 +522,11 @@ def summarise(family: Family, rows: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         # A run that never scored the optimum counts as cap + 1 evaluations (censored).
         # (A hill climb run before a fix could overshoot its budget by one evaluation: such a hit is a miss.)
-        evals = [min(r["evals_to_optimum"], cap + 1) if r["evals_to_optimum"] is not None else cap + 1 for r in mine]
-        out[method] = {"runs": len(mine), "scored_optimum": sum(e <= cap for e in evals),
+        caps = [r.get("budget", cap) for r in mine]
+        evals = [min(r["evals_to_optimum"], c + 1) if r["evals_to_optimum"] is not None else c + 1
+                 for r, c in zip(mine, caps)]
+        out[method] = {"runs": len(mine), "budget": max(caps),
+                       "scored_optimum": sum(e <= c for e, c in zip(evals, caps)),
                        "returned_optimum": sum(r["returned_optimal"] for r in mine),
                        "median_evals_to_optimum": statistics.median(evals),
                        "mean_returned_true": round(statistics.mean(r["returned_true"] for r in mine), 4),
@@ -525,81 +544,105 @@ def summarise(family: Family, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=20)
-    parser.add_argument("--families", nargs="+", default=list(ALL_FAMILIES), choices=list(ALL_FAMILIES))
-    parser.add_argument("--validate-examples", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--name", default="structure_search_sim", help="results file name (without suffix)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--method-seeds", nargs="*", default=[], metavar="METHOD=N",
-                        help="fewer seeds for a slow baseline, e.g. random_walk=5 (the first N seeds)")
-    parser.add_argument("--merge", nargs="*", type=Path, default=None,
-                        help="combine the runs of these results files (same families) into --name")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for noisy in ("flowopt", "dspy", "LiteLLM", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+SMOKE = {"seeds": 2, "families": ["deceptive"], "max_evals": 25}
+# The goals of issue 12, per family: the search returns the optimum in >= 90% of seeds, is no worse than
+# hill climbing by more than 20% and takes <= 0.5x the random walk's evaluations where the landscape is
+# deceptive or large; under noise the true score is inside the reported 95% interval in >= 90% of seeds.
+RANDOM_WALK_GOAL = ("deceptive", "additive")
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = PerfParser("structure_search_sim", __doc__, smoke=SMOKE)
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
+    parser.add_argument("--families", nargs="+", default=list(ALL_FAMILIES), choices=list(ALL_FAMILIES))
+    parser.add_argument("--max-evals", type=int, default=0, help="cap every family's budget (0: its own)")
+    parser.add_argument("--validate-examples", type=int, default=0)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--method-budget", nargs="*", default=[], metavar="METHOD=N",
+                        help="a smaller evaluation budget for a slow baseline, e.g. random_walk=200 (a run "
+                             "that does not score the optimum counts as N + 1)")
+    parser.add_argument("--merge", nargs="*", type=Path, default=None,
+                        help="combine the runs of these results files (made by separate processes) into --out")
+    run = start_run(parser, argv)
+    args = run.args
     if args.merge:
-        return merge(args.merge, args.out, args.name)
-    method_seeds = {m: int(n) for m, n in (item.split("=") for item in args.method_seeds)}
-    t0 = time.perf_counter()
-    load_before = os.getloadavg()
-    families: dict[str, Any] = {}
+        parts = [_read_part(path) for path in args.merge]
+        args.merge = [str(path) for path in args.merge]  # recorded in the results' settings (JSON)
+        families: dict[str, Any] = {}
+        for part in parts:
+            for fam_name, fam in part["families"].items():
+                merged = families.setdefault(fam_name, {**fam, "runs": []})
+                if len(fam) > len(merged):  # a finished part knows more (the optimum of an enumerated space)
+                    merged.update({k: v for k, v in fam.items() if k not in ("runs", "summary")})
+                merged["runs"] += fam["runs"]
+        for fam_name, fam in families.items():
+            fam["summary"] = summarise(ALL_FAMILIES[fam_name](), fam["runs"])
+        space = next((part["space"] for part in parts if part["space"]), {})
+        _finish(run, families, space, [{k: part[k] for k in ("command", "load_average", "wall_s")} for part in parts])
+        return 0
+    method_budget = {m: int(n) for m, n in (item.split("=") for item in args.method_budget)}
+    families = {}
     space_info: dict[str, Any] = {}
-    if {"needle", "cost"} & set(args.families):
-        space = enumerate_space(VOCABULARY)
-        depth_hist: dict[int, int] = defaultdict(int)
-        for v in space.values():
-            depth_hist[v["depth"]] += 1
-        space_info = {"size": len(space), "depth": max(depth_hist), "depth_histogram": dict(sorted(depth_hist.items())),
-                      "enumeration_s": round(time.perf_counter() - t0, 1)}
     for name in args.families:
         family = ALL_FAMILIES[name]()
+        if args.max_evals:
+            family.max_evals = min(family.max_evals, args.max_evals)
         if family.optimum is None:  # needle, cost: the optimum of the enumerated space
-            ranked = sorted(((family.objective(v["ir"]), k) for k, v in space.items()), reverse=True)
-            target = ranked[0][0]
-            optimal_keys = [k for val, k in ranked if val >= target - 1e-12]
-            best_key = min(optimal_keys, key=lambda k: (space[k]["depth"], k))
-            info = {"optimum": round(target, 6), "optimal_workflows": len(optimal_keys),
-                    "optimal_depth": space[best_key]["depth"],
-                    "optimal_structure": describe_structure(space[best_key]["ir"]),
-                    "optimal_path": space[best_key]["path"],
-                    "runner_up": round(next(val for val, _ in ranked if val < target - 1e-12), 6),
-                    "space_size": len(space)}
-            if name == "needle" and args.validate_examples:
-                info["validation"] = validate(space, best_key, args.validate_examples)
+            space = enumerate_space(VOCABULARY, family.start())  # depths from this family's start
+            if not space_info:
+                depth_hist: dict[int, int] = defaultdict(int)
+                for v in space.values():
+                    depth_hist[v["depth"]] += 1
+                space_info = {"size": len(space), "depth_histogram": dict(sorted(depth_hist.items()))}
+            info = _optimum(family, space, args.validate_examples)
+            target = info["optimum"]
         else:
             target = family.optimum
             info = {"optimum": target}
         rows = []
         for method in args.methods:
-            for seed in range(method_seeds.get(method, args.seeds)):
-                row = run_method(method, seed, family, target)
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
+                row = run_method(method, seed, family, target, method_budget.get(method))
                 logger.info("%s %s", name, row)
                 rows.append(row)
         families[name] = {"description": family.description, "max_evals": family.max_evals, **info,
-                          "settings": {k: v for k, v in asdict(search_settings(family)).items()},
-                          "summary": summarise(family, rows), "runs": rows}
+                          "settings": asdict(search_settings(family)), "summary": summarise(family, rows),
+                          "runs": rows}
         logger.info("%s: %s", name, families[name]["summary"])
-    data = {"benchmark": "structure_search_sim",
-            "command": "python benchmarks/perf/structure_search_sim.py "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
-            "seeds": args.seeds, "space": space_info, "families": families,
-            "python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
-            "load_average_before": [round(x, 1) for x in load_before],
-            "load_average_after": [round(x, 1) for x in os.getloadavg()],
-            "wall_s": round(time.perf_counter() - t0, 1)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out / f"{args.name}.json", data)
-    atomic_write_text(args.out / f"{args.name}.md", _markdown(data))
+    _finish(run, families, space_info, [])
     return 0
 
 
-def _from_log(path: Path) -> dict[str, Any]:
-    """The runs a process logged before it was stopped (one ``<family> {row}`` line per run)."""
+def _optimum(family: Family, space: dict[str, dict[str, Any]], validate_examples: int) -> dict[str, Any]:
+    ranked = sorted(((family.objective(v["ir"]), k) for k, v in space.items()), reverse=True)
+    target = ranked[0][0]
+    optimal_keys = [k for val, k in ranked if val >= target - 1e-12]
+    best_key = min(optimal_keys, key=lambda k: (space[k]["depth"], k))
+    info = {"optimum": target, "optimal_workflows": len(optimal_keys), "optimal_depth": space[best_key]["depth"],
+            "optimal_structure": describe_structure(space[best_key]["ir"]), "optimal_path": space[best_key]["path"],
+            "start": describe_structure(space[next(iter(space))]["ir"]),
+            "runner_up": round(next(val for val, _ in ranked if val < target - 1e-12), 6), "space_size": len(space)}
+    if family.name == "needle" and validate_examples:
+        info["validation"] = validate(space, best_key, validate_examples)
+    return info
+
+
+def _read_part(path: Path) -> dict[str, Any]:
+    """A results file of this script (harness schema, or the plain JSON of earlier versions) as one part;
+    or the log of a process stopped before it wrote one (its ``<family> {row}`` lines)."""
+    if path.suffix == ".log":
+        return _part_from_log(path)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data.get("schema") == SCHEMA:
+        return {"families": data["results"]["families"], "space": data["results"]["space"],
+                "command": data["command"], "load_average": data["load_average"], "wall_s": data["wall_s"]}
+    return {"families": data["families"], "space": data.get("space", {}), "command": data["command"],
+            "load_average": {"before": data["load_average_before"], "after": data["load_average_after"]},
+            "wall_s": data["wall_s"]}
+
+
+def _part_from_log(path: Path) -> dict[str, Any]:
     import ast
 
     families: dict[str, Any] = {}
@@ -608,84 +651,103 @@ def _from_log(path: Path) -> dict[str, Any]:
         if head in ALL_FAMILIES and rest.startswith("{'method'"):
             family = ALL_FAMILIES[head]()
             entry = families.setdefault(head, {"description": family.description, "max_evals": family.max_evals,
-                                               "optimum": family.optimum, "runs": []})
+                                               "optimum": family.optimum, "settings": asdict(search_settings(family)),
+                                               "runs": []})
             entry["runs"].append(ast.literal_eval(rest))
-    return {"command": f"(the runs logged in {path.name} by a process stopped before it finished)", "space": {},
-            "families": families, "load_average_before": [],
-            "load_average_after": [round(x, 1) for x in os.getloadavg()],
-            "wall_s": 0.0, "python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
-            "seeds": None}
+    return {"families": families, "space": {}, "wall_s": 0.0, "load_average": {"before": [], "after": []},
+            "command": f"(the runs logged in {path.name} by a process stopped before it finished)"}
 
 
-def merge(paths: list[Path], out: Path, name: str) -> int:
-    """One results file from runs split across processes (e.g. one per family and method)."""
-    parts = [json.loads(p.read_text(encoding="utf-8")) if p.suffix == ".json" else _from_log(p) for p in paths]
-    data = {**parts[0], "command": " ; ".join(p["command"] for p in parts),
-            "load_average_before": max(p["load_average_before"] for p in parts),
-            "load_average_after": max(p["load_average_after"] for p in parts),
-            "parts": [str(p.name) for p in paths],
-            "wall_s": max(p["wall_s"] for p in parts), "space": next((p["space"] for p in parts if p["space"]), {}),
-            "families": {}}
-    for part in parts:
-        for fam_name, fam in part["families"].items():
-            merged = data["families"].setdefault(fam_name, {**fam, "runs": []})
-            merged["runs"] += fam["runs"]
-    for fam_name, fam in data["families"].items():
-        fam["summary"] = summarise(ALL_FAMILIES[fam_name](), fam["runs"])
-    atomic_write_json(out / f"{name}.json", data)
-    atomic_write_text(out / f"{name}.md", _markdown(data))
-    return 0
+def _goals(families: dict[str, Any]) -> list[Goal]:
+    goals = []
+    for name, fam in families.items():
+        summ = fam["summary"]
+        if "search" not in summ:
+            continue
+        search = summ["search"]
+        goals.append(Goal.at_least(f"{name}: share of seeds the search returns the optimum",
+                                   round(search["returned_optimum"] / search["runs"], 3), 0.9))
+        ran = {m: summ[m]["runs"] for m in METHODS if m in summ}
+        goals.append(Goal.at_least(f"{name}: seeds of the method with fewest ({min(ran, key=ran.__getitem__)})",
+                                   min(ran.values()), 20))
+        if "search_over_hill_climb" in summ:
+            goals.append(Goal.at_most(f"{name}: search / hill climbing, median evals to optimum",
+                                      summ["search_over_hill_climb"], 1.2))
+        if name in RANDOM_WALK_GOAL and "search_over_random_walk" in summ:
+            goals.append(Goal.at_most(f"{name}: search / random walk, median evals to optimum",
+                                      summ["search_over_random_walk"], 0.5))
+        if fam.get("settings", {}).get("final_top") and "covered" in search:
+            goals.append(Goal.at_least(f"{name}: true score inside the reported 95% interval",
+                                       round(search["covered"] / search["runs"], 3), 0.9))
+    return goals
 
 
-def _markdown(data: dict[str, Any]) -> str:
-    lines = [
-        "# Structure search on simulated landscapes (issue 12)",
-        "",
-        f"`{data['command'].strip()}` ({data['cpus']} CPUs shared with other jobs, load average "
-        f"{data['load_average_before']} before and {data['load_average_after']} after; Python {data['python']} "
-        f"on {data['platform']}; total {data['wall_s']} s). Counts, not times, are the result.",
-        "",
-        "Methods, side by side on every family and seed, from the same start with the same rule proposer and "
-        "one shared evaluation function: `search` = `MCTS` with the stage's defaults (best-first selection with "
-        "explore 0.2; on the noisy family `confirm=3` (a leader is measured 3 times before it is expanded) and a "
-        "final re-measurement of the 10 leaders by successive halving; on "
+def _finish(run: Any, families: dict[str, Any], space: dict[str, Any], parts: list[dict[str, Any]]) -> None:
+    results = {"families": families, "space": space, "parts": parts}
+    run.finish("Structure search on simulated landscapes (issue 12)", results, _markdown(results),
+               goals=_goals(families))
+
+
+def _markdown(data: dict[str, Any]) -> list[str]:
+    lines = []
+    for part in data["parts"]:
+        load = part["load_average"]
+        lines.append(f"- part `{part['command']}`: " + (f"load average {load['before']} before, {load['after']} "
+                                                          f"after, {part['wall_s']} s" if load["before"] else
+                                                          "its load was not recorded (see the load of this merge)"))
+    if data["parts"]:
+        lines.append("")
+    lines += [
+        "Counts, not times, are the result. Methods, side by side on every family and seed, from the same "
+        "start with the same rule proposer and one shared evaluation function: `search` = `MCTS` with the "
+        "stage's defaults (iterated local search: a first-improvement climb, and at a local optimum a restart "
+        "from a random open workflow nearest the best one; on the noisy family `confirm=3` (a node is measured "
+        "3 times before it is expanded) and a final re-measurement of the 10 leaders by successive halving; on "
         "the cost family `objective=\"penalised\"`); `random_walk` = a uniformly random valid edit at each step; "
         "`hill_climb` = steepest ascent with random restarts. An evaluation is one evaluator call (the search's "
         "final re-measurements included). Deterministic families stop a run once the optimum is scored (the "
         "best scored is what every method returns, so from then on it is returned); a run that never scores "
-        "it counts as budget + 1 evaluations.",
+        "it counts as its budget + 1 evaluations (so a median above the budget means fewer than half the runs "
+        "found it, and a ratio to it is an upper bound).",
         "",
     ]
     if data["space"]:
         sp = data["space"]
-        lines += [f"Needle/cost space: **{sp['size']} workflows** reachable from `Predict` (enumerated; up to "
-                  f"{sp['depth']} edits deep; by depth {sp['depth_histogram']}).", ""]
+        lines += [f"Needle/cost space: **{sp['size']} workflows** reachable from `Predict` with at most {MAX_NODES} "
+                  f"nodes (enumerated; workflows by edits from `Predict`: {sp['depth_histogram']}).", ""]
     for name, fam in data["families"].items():
         summ = fam["summary"]
+        start = fam.get("start") or describe_structure(ALL_FAMILIES[name]().start().to_dict())
+        deep = (f" ({fam['optimal_workflows']} optimal workflows, the nearest {fam['optimal_depth']} edits from "
+                f"the start `{start}`: `{fam['optimal_structure']}`; runner-up {fam['runner_up']})"
+                if "optimal_depth" in fam else "")
+        optimum = "not recorded (its process was stopped before it wrote its results)" if fam["optimum"] is None \
+            else round(fam["optimum"], 6)
         lines += [f"## {name}", "", f"{fam['description']}. Budget {fam['max_evals']} evaluations; optimum "
-                  f"{fam['optimum']}" + (f" ({fam['optimal_workflows']} optimal workflows, the nearest "
-                                         f"{fam['optimal_depth']} edits deep: `{fam['optimal_structure']}`; "
-                                         f"runner-up {fam['runner_up']})" if "optimal_depth" in fam else "") + ".",
-                  "", "| method | scored the optimum | returned it | median evals to optimum | mean true score "
-                      "returned | median evaluations used |" + (" median LM calls |" if "median_lm_calls" in
-                                                                   summ["search"] else ""),
-                  "|---|---|---|---|---|---|" + ("---|" if "median_lm_calls" in summ["search"] else "")]
+                  f"{optimum}{deep}.", ""]
+        costs = any("median_lm_calls" in m for m in summ.values() if isinstance(m, dict))
+        rows = []
         for method in [m for m in METHODS if m in summ]:
             m = summ[method]
-            lines.append(f"| {method} | {m['scored_optimum']}/{m['runs']} | {m['returned_optimum']}/{m['runs']} | "
-                         f"{m['median_evals_to_optimum']} | {m['mean_returned_true']} | {m['median_evaluations']} |"
-                         + (f" {m['median_lm_calls']} |" if "median_lm_calls" in m else ""))
+            rows.append([method, m.get("budget", fam["max_evals"]), f"{m['scored_optimum']}/{m['runs']}",
+                         f"{m['returned_optimum']}/{m['runs']}", m["median_evals_to_optimum"],
+                         m["mean_returned_true"], m["median_evaluations"]] + ([m["median_lm_calls"]] if costs else []))
+        lines += markdown_table(["method", "budget", "scored the optimum", "returned it", "median evals to optimum",
+                                 "mean true score returned", "median evaluations used"]
+                                + (["median LM calls"] if costs else []), rows, align="lrrrrrr" + "r" * costs)
         if "search_over_random_walk" in summ:
             lines += ["", f"search / random walk median evals to optimum: **{summ['search_over_random_walk']}**; "
-                          f"search / hill climbing: **{summ['search_over_hill_climb']}** (seeds per method above)."]
-        if name == "noisy" and "search" in summ:
+                          f"search / hill climbing: **{summ['search_over_hill_climb']}**."]
+        if fam.get("settings", {}).get("final_top") and "search" in summ:
             s = summ["search"]
-            lines += [f"Returned workflow's true score inside its reported 95% interval (from the re-measurement "
-                      f"on fresh samples): **{s['covered']}/{s['runs']}**; median re-measured minus true "
-                      f"{s['median_measured_minus_true']}."]
+            lines += ["", f"Returned workflow's true score inside its reported 95% interval (from the "
+                          f"re-measurement on fresh samples): **{s['covered']}/{s['runs']}**; median re-measured "
+                          f"minus true {s['median_measured_minus_true']}."]
         lines.append("")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 if __name__ == "__main__":
+    setup_logging()
+    logging.getLogger("flowopt").setLevel(logging.WARNING)  # the searches' per-round lines would swamp the log
     sys.exit(main())

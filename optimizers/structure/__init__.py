@@ -34,11 +34,12 @@ from flowopt.optimizers.structure.search import (
     JsonCheckpoint,
     SearchResult,
     SearchSettings,
+    pick_point,
     replay,
     replay_log,
 )
 from flowopt.optimizers.structure.selection import mixed_probabilities
-from flowopt.optimizers.structure.stage import StructureSearch
+from flowopt.optimizers.structure.stage import StructureSearch, pick
 from flowopt.optimizers.structure.tree import SearchTree, TreeNode
 
 __all__ = [
@@ -69,6 +70,8 @@ __all__ = [
     "edit_from_dict",
     "edit_kinds",
     "mixed_probabilities",
+    "pick",
+    "pick_point",
     "replay",
     "replay_log",
 ]

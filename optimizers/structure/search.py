@@ -2,17 +2,24 @@
 
 Each round selects a tree node, asks the proposer for one untried edit, and evaluates the edited
 workflow, unless a workflow with the same canonical JSON was already scored (then the edit is recorded
-as a duplicate: nothing is paid and no round is used). Selection is ``best_first`` by default: the open
-node with the highest upper 95% bound of its objective (the mean when there is no noise), so the search
-keeps expanding the best workflow found (greedy on additive landscapes) and falls back to the next best
-when a node's edits are used up (it gets out of deceptive local optima); with probability ``explore`` it
-picks a uniformly random open node instead (a restart). AFlow's ``mixed`` selection and ``uct`` remain.
+as a duplicate: nothing is paid and no round is used). Selection is ``climb`` by default, an iterated
+local search: the node being climbed is expanded until one of its edits beats it, and the climb moves
+there at once (first improvement: greedy on additive landscapes, one evaluation per step when most
+edits help). When the climbed node's edits are used up (a local optimum), the search restarts from a
+random open node among those nearest, in edits, to the best one, and climbs from there: a kick and a
+climb make a pair of edits, which crosses a deceptive valley where two edits help only together, and a
+duplicate edit back to a scored workflow costs nothing. A re-measurement (``confirm``) that does not
+bear out a move under noise undoes it. ``best_first`` (the highest upper 95% bound, the previous
+default), AFlow's ``mixed`` selection and ``uct`` remain.
 
 Every node keeps its measurements (per-example scores when the evaluator gives them), hence a 95%
 interval; ``repeats`` measures each candidate several times. ``final_top`` leaders are re-measured at the
 end with ``final_evaluate`` (fresh examples) and the best re-measured one is returned, with both scores.
 ``objective="penalised"`` ranks by score minus ``cost_weight`` x LM calls per example (the evaluator
 reports cost); every node keeps its cost, so the report can show the score/cost Pareto front.
+``objective="pareto"`` climbs by score but restarts from a random point of the score/LM-calls front
+(so cheap good workflows get their neighbourhoods searched too), and the caller picks a point of the
+front afterwards with :meth:`SearchResult.pick` (e.g. the best workflow under 3 LM calls per example).
 
 The search stops on ``max_rounds`` (new candidates scored), ``max_evaluations`` (evaluator calls,
 repeats and finals included), convergence, an exhausted tree, or the budget. After every round the whole
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,15 +42,16 @@ from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.io import atomic_write_json
 from flowopt.optimizers.structure.edits import Edit, edit_from_dict
 from flowopt.optimizers.structure.proposers import NoProposal, ProposalContext, Proposer
-from flowopt.optimizers.structure.selection import select_best_first, select_mixed, select_uct
+from flowopt.optimizers.structure.selection import select_best_first, select_climb, select_mixed, select_uct
 from flowopt.optimizers.structure.tree import SearchTree, TreeNode, interval_half_width, ir_key, workflow_key
+from flowopt.settings import above, at_least, between, check_stage, one_of
 from flowopt.workflow import Workflow
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_VERSION = 2
-SELECTIONS = ("best_first", "mixed", "uct")
-OBJECTIVES = ("score", "penalised")
+CHECKPOINT_VERSION = 3
+SELECTIONS = ("climb", "best_first", "mixed", "uct")
+OBJECTIVES = ("score", "penalised", "pareto")
 
 
 @dataclass
@@ -100,8 +109,8 @@ class SearchSettings:
     """
 
     max_rounds: int = 20
-    selection: str = "best_first"
-    explore: float = 0.2
+    selection: str = "climb"
+    explore: float = 0.0
     top_k: int = 4
     alpha: float = 0.2
     lambda_: float = 0.3
@@ -118,43 +127,14 @@ class SearchSettings:
     confirm: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_rounds, int) or self.max_rounds < 1:
-            raise ConfigError(f"max_rounds must be an int >= 1, got {self.max_rounds!r}", fix="pass max_rounds=20")
-        if self.selection not in SELECTIONS:
-            raise ConfigError(f"selection must be one of {SELECTIONS}, got {self.selection!r}",
-                              fix='pass selection="best_first" (default), "mixed" (AFlow) or "uct"')
-        if not 0.0 <= self.explore <= 1.0:
-            raise ConfigError(f"explore must be in [0, 1], got {self.explore!r}", fix="pass explore=0.2")
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}",
-                              fix='pass objective="score", or "penalised" with cost_weight > 0')
-        if not isinstance(self.cost_weight, int | float) or self.cost_weight < 0:
-            raise ConfigError(f"cost_weight must be a number >= 0, got {self.cost_weight!r}",
-                              fix="pass cost_weight=0.01 (score lost per LM call per example)")
-        if not isinstance(self.confirm, int) or self.confirm < 1:
-            raise ConfigError(f"confirm must be an int >= 1, got {self.confirm!r}",
-                              fix="pass confirm=3 to measure a noisy leader three times before expanding it")
-        for name in ("final_top", "final_repeats"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name == "final_top" else 1):
-                raise ConfigError(f"{name} must be an int >= {0 if name == 'final_top' else 1}, got {value!r}",
-                                  fix="pass final_top=3, final_repeats=2")
-        if not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ConfigError(f"top_k must be an int >= 1, got {self.top_k!r}", fix="pass top_k=4")
-        if not 0.0 <= self.lambda_ <= 1.0:
-            raise ConfigError(f"lambda_ must be in [0, 1], got {self.lambda_!r}", fix="pass lambda_=0.3")
-        if self.alpha < 0 or self.uct_c < 0 or self.widen <= 0:
-            raise ConfigError("alpha and uct_c must be >= 0 and widen > 0", fix="pass alpha=0.2, uct_c=1.4, widen=1")
-        if self.convergence_rounds is not None and (not isinstance(self.convergence_rounds, int)
-                                                    or self.convergence_rounds < 1):
-            raise ConfigError(f"convergence_rounds must be an int >= 1 or None, got {self.convergence_rounds!r}",
-                              fix="pass convergence_rounds=8, or None to disable")
-        if not isinstance(self.repeats, int) or self.repeats < 1:
-            raise ConfigError(f"repeats must be an int >= 1, got {self.repeats!r}", fix="pass repeats=1")
-        if self.max_evaluations is not None and (not isinstance(self.max_evaluations, int)
-                                                 or self.max_evaluations < 1):
-            raise ConfigError(f"max_evaluations must be an int >= 1 or None, got {self.max_evaluations!r}",
-                              fix="pass max_evaluations=50, or None for no limit")
+        check_stage(self, {
+            "max_rounds": at_least(1), "selection": one_of(*SELECTIONS), "explore": between(0.0, 1.0),
+            "top_k": at_least(1), "alpha": at_least(0.0), "lambda_": between(0.0, 1.0), "uct_c": at_least(0.0),
+            "widen": above(0.0), "convergence_rounds": at_least(1), "convergence_eps": at_least(0.0),
+            "repeats": at_least(1), "max_evaluations": at_least(1), "final_top": at_least(0),
+            "final_repeats": at_least(1), "objective": one_of(*OBJECTIVES), "cost_weight": at_least(0.0),
+            "confirm": at_least(1),
+        })
 
 
 @dataclass
@@ -173,6 +153,31 @@ class SearchResult:
     best_interval: tuple[float, float] = (0.0, 0.0)  # 95% interval of the returned workflow's score
     remeasured: dict[str, Any] | None = None  # {"score", "interval", "n"} on fresh examples, if finals ran
     finalists: list[dict[str, Any]] = field(default_factory=list)
+
+    def front(self) -> list[dict[str, Any]]:
+        """The score/LM-calls Pareto front (fewest calls first), as report points (see :func:`pareto_point`)."""
+        return [pareto_point(n, with_workflow=True) for n in self.tree.pareto_front()]
+
+    def pick(self, *, max_calls: float | None = None, max_tokens: float | None = None) -> Workflow:
+        """The best-scoring workflow of the front within a cost limit (LM calls and/or tokens per example).
+
+        Example (a toy evaluator: each node adds 0.1 to the score and one LM call per example):
+            >>> from flowopt import Workflow
+            >>> from flowopt.modules import Predict
+            >>> from flowopt.optimizers.structure import MCTS, Evaluation, RuleProposer, SearchSettings
+            >>> wf = Workflow("question -> answer").add("solve", Predict("question -> answer"))
+            >>> toy = lambda w: Evaluation(0.5 + 0.1 * len(w.nodes), cost={"lm_calls": float(len(w.nodes))})
+            >>> result = MCTS(RuleProposer(), toy, SearchSettings(max_rounds=6, objective="pareto")).run(wf)
+            >>> len(result.pick(max_calls=2).nodes) <= 2
+            True
+        """
+        point = pick_point(self.front(), max_calls=max_calls, max_tokens=max_tokens)
+        return self._rebuild(point["workflow"])
+
+    def _rebuild(self, ir: dict[str, Any]) -> Workflow:
+        wf = Workflow.from_dict(ir)
+        wf.lms.update({k: v for k, v in self.best.lms.items() if k in wf.lms})
+        return wf
 
     def summary(self) -> dict[str, Any]:
         best = self.tree.nodes[self.best_node]
@@ -231,7 +236,7 @@ class MCTS:
                 reason = self._stop_reason(state)
                 if reason:
                     break
-                node = self._select(tree, state["rng"])
+                node = self._select(tree, state)
                 if node is None:
                     reason = "exhausted: every node's edits were tried"
                     break
@@ -271,8 +276,12 @@ class MCTS:
                              "evaluations": state["evaluations"]})
         self._save(state)
 
-    def _select(self, tree: SearchTree, rng: random.Random) -> TreeNode | None:
-        s = self.settings
+    def _select(self, tree: SearchTree, state: dict[str, Any]) -> TreeNode | None:
+        s, rng = self.settings, state["rng"]
+        if s.selection == "climb":
+            # Under "pareto" a restart starts near a random point of the front, not only near the best.
+            anchors = tree.pareto_front() if s.objective == "pareto" else None
+            return select_climb(tree, rng, state["climb"], explore=s.explore, anchors=anchors)
         if s.selection == "uct":
             return select_uct(tree, rng, c=s.uct_c, widen=s.widen)
         if s.selection == "mixed":
@@ -285,6 +294,11 @@ class MCTS:
         if node.calls >= self.settings.confirm or node.n <= node.calls:
             return False
         self._measure(node, self._workflow(node), state)
+        climb = state["climb"]
+        # A move the re-measurement does not bear out (the node is no better than the one it was
+        # reached from) is undone: the climb goes on from where it was.
+        while len(climb) > 1 and climb[-1] == node.id and node.value <= state["tree"].nodes[climb[-2]].value:
+            climb.pop()
         state["history"].append(state["tree"].top_k_mean(self.settings.top_k))
         state["log"].append({"round": state["round"], "event": "remeasure", "child": node.id, "score": node.score,
                              "evaluations": state["evaluations"]})
@@ -314,6 +328,7 @@ class MCTS:
             # Re-proposing a scored workflow costs nothing and uses no round: only the edit is marked tried.
             delta = float(existing.value) - float(node.value)  # type: ignore[arg-type]
             node.tried.append({"edit": edit.to_dict(), "delta": delta, "duplicate_of": existing.id})
+            self._climb_to(node, existing, state)
             event.update(round=state["round"], event="duplicate", child=existing.id, score=existing.score,
                          delta=delta)
         else:
@@ -331,6 +346,7 @@ class MCTS:
             tree.backpropagate(child.id, float(child.value))  # type: ignore[arg-type]
             delta = float(child.value) - float(node.value)  # type: ignore[arg-type]
             node.tried.append({"edit": edit.to_dict(), "delta": delta, "child": child.id})
+            self._climb_to(node, child, state)
             event.update(round=state["round"], event="expand", child=child.id, score=child.score, delta=delta)
             state["history"].append(tree.top_k_mean(self.settings.top_k))
         event["evaluations"] = state["evaluations"]
@@ -340,6 +356,12 @@ class MCTS:
         self._save(state)
         if self.on_round is not None:
             self.on_round(event)
+
+    def _climb_to(self, node: TreeNode, reached: TreeNode, state: dict[str, Any]) -> None:
+        """First improvement: an edit of the climbed node that beats it moves the climb there."""
+        climb = state["climb"]
+        if climb and climb[-1] == node.id and float(reached.value) > float(node.value) + 1e-12:  # type: ignore[arg-type]
+            climb.append(reached.id)
 
     def _measure(self, node: TreeNode, workflow: Workflow, state: dict[str, Any]) -> list[dict[str, Any]]:
         """Evaluate ``repeats`` times (each an evaluator call, counted), fold the results into the node."""
@@ -358,10 +380,11 @@ class MCTS:
         return failures
 
     def _objective(self, score: float, cost: Mapping[str, float]) -> float:
-        if self.settings.objective == "penalised":
-            if "lm_calls" not in cost:
-                raise ConfigError("objective='penalised' needs the evaluator to report cost['lm_calls']",
-                                  fix="return Evaluation(score, cost={'lm_calls': ...}) or use objective='score'")
+        objective = self.settings.objective
+        if objective != "score" and "lm_calls" not in cost:
+            raise ConfigError(f"objective={objective!r} needs the evaluator to report cost['lm_calls']",
+                              fix="return Evaluation(score, cost={'lm_calls': ...}) or use objective='score'")
+        if objective == "penalised":
             return score - self.settings.cost_weight * cost["lm_calls"]
         return score
 
@@ -443,7 +466,7 @@ class MCTS:
     # ------------------------------------------------------------------------------ state
     def _fresh_state(self) -> dict[str, Any]:
         return {"tree": SearchTree(), "rng": random.Random(self.seed), "round": 0, "evaluations": 0,
-                "history": [], "log": [], "failures": {}}
+                "history": [], "log": [], "failures": {}, "climb": [0]}
 
     def _restore(self, program: Workflow) -> dict[str, Any]:
         state = self._fresh_state()
@@ -465,7 +488,8 @@ class MCTS:
         logger.info("structure search resumed at round %d (%d evaluations, %d nodes)", data["round"],
                     data["evaluations"], len(tree.nodes))
         return {"tree": tree, "rng": rng, "round": data["round"], "evaluations": data["evaluations"],
-                "history": list(data["history"]), "log": list(data["log"]), "failures": dict(data["failures"])}
+                "history": list(data["history"]), "log": list(data["log"]), "failures": dict(data["failures"]),
+                "climb": list(data["climb"])}
 
     def _save(self, state: dict[str, Any]) -> None:
         if self.checkpoint is None:
@@ -476,6 +500,7 @@ class MCTS:
 def state_to_dict(state: Mapping[str, Any], seed: int, settings: SearchSettings) -> dict[str, Any]:
     return {"version": CHECKPOINT_VERSION, "seed": seed, "settings": asdict(settings),
             "round": state["round"], "evaluations": state["evaluations"], "history": list(state["history"]),
+            "climb": list(state["climb"]),
             "log": list(state["log"]), "failures": dict(state["failures"]), "rng": list(state["rng"].getstate()),
             "tree": state["tree"].to_dict()}
 
@@ -505,10 +530,36 @@ def replay_log(program: Workflow, log: Sequence[Mapping[str, Any]]) -> dict[int,
     return workflows
 
 
-def pareto_point(node: TreeNode) -> dict[str, Any]:
-    """One point of the score/cost front, for reports: the node, its score, interval and cost."""
-    return {"node": node.id, "score": node.score, "interval": list(node.interval), **node.cost,
-            "description": node.description}
+def pareto_point(node: TreeNode, *, with_workflow: bool = False) -> dict[str, Any]:
+    """One point of the score/cost front, for reports: the node, its score, interval and cost (and its
+    workflow's IR, so that a point can be picked later)."""
+    point: dict[str, Any] = {"node": node.id, "score": node.score, "interval": list(node.interval), **node.cost,
+                             "description": node.description}
+    if with_workflow:
+        point["workflow"] = node.workflow
+    return point
+
+
+def pick_point(front: Sequence[Mapping[str, Any]], *, max_calls: float | None = None,
+               max_tokens: float | None = None) -> Mapping[str, Any]:
+    """The highest-scoring point of ``front`` with ``lm_calls <= max_calls`` and ``tokens <= max_tokens``.
+
+    Example:
+        >>> front = [{"score": 0.6, "lm_calls": 1.0}, {"score": 0.8, "lm_calls": 5.0}]
+        >>> pick_point(front, max_calls=3)["score"]
+        0.6
+    """
+    if not front:
+        raise ConfigError("there is no score/cost front to pick from (no candidate reported its cost)",
+                          fix="run the search with an evaluator that reports cost={'lm_calls': ...}")
+    limits = {"lm_calls": max_calls, "tokens": max_tokens}
+    fits = [p for p in front if all(v is None or p.get(k, math.inf) <= v for k, v in limits.items())]
+    if not fits:
+        cheapest = min(front, key=lambda p: p.get("lm_calls", math.inf))
+        raise ConfigError(f"no point of the front fits max_calls={max_calls}, max_tokens={max_tokens}; the "
+                          f"cheapest takes {cheapest.get('lm_calls')} LM calls and {cheapest.get('tokens')} tokens "
+                          "per example", fix="raise the limit")
+    return max(fits, key=lambda p: (p["score"], -p.get("lm_calls", 0.0)))
 
 
 def _as_evaluation(value: Any) -> Evaluation:

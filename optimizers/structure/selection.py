@@ -1,4 +1,5 @@
-"""Which tree node to expand next: best-first (the default), AFlow's mixed probability, or UCT.
+"""Which tree node to expand next: iterated local search (``climb``, the default), best-first, AFlow's
+mixed probability, or UCT.
 
 AFlow (``scripts/optimizer_utils/data_utils.py``, ``select_round``/``_compute_probabilities``) keeps the
 initial workflow plus the best-scoring rounds (top k), scales scores by 100 and samples from
@@ -71,6 +72,78 @@ def select_best_first(tree: SearchTree, rng: random.Random, *, explore: float = 
     if explore > 0 and rng.random() < explore:
         return open_nodes[rng.randrange(len(open_nodes))]
     return max(open_nodes, key=lambda n: (_objective(n) + n.half_width, -n.id))
+
+
+def neighbourhood(tree: SearchTree, node_id: int) -> list[list[TreeNode]]:
+    """Scored nodes by edit distance from ``node_id`` (rings 1, 2, ...), over the edits the tree knows:
+    each node's parent, its children, and the scored workflows its edits reached again (duplicates).
+
+    Example:
+        >>> tree = SearchTree()
+        >>> _ = tree.add(None, None, "root", "k0", {}, score=0.4)
+        >>> _ = tree.add(0, {"kind": "x"}, "e", "k1", {}, score=0.6)
+        >>> [[n.id for n in ring] for ring in neighbourhood(tree, 1)]
+        [[0]]
+    """
+    seen, ring, rings = {node_id}, [node_id], []
+    while ring:
+        nxt: list[int] = []
+        for i in ring:
+            node = tree.nodes[i]
+            links = [*node.children, *(t["duplicate_of"] for t in node.tried if "duplicate_of" in t)]
+            if node.parent is not None:
+                links.append(node.parent)
+            for j in links:
+                if j not in seen and tree.nodes[j].score is not None:
+                    seen.add(j)
+                    nxt.append(j)
+        if nxt:
+            rings.append([tree.nodes[j] for j in sorted(nxt)])
+        ring = nxt
+    return rings
+
+
+def select_climb(tree: SearchTree, rng: random.Random, climb: list[int], *, explore: float = 0.0,
+                 anchors: Sequence[TreeNode] | None = None) -> TreeNode | None:
+    """Iterated local search: expand the node being climbed (``climb[-1]``) until its edits are used up;
+    the search moves ``climb`` to a child as soon as one beats it (first improvement, see
+    :class:`~flowopt.optimizers.structure.search.MCTS`). At a local optimum, restart from the
+    incumbent's neighbourhood: a uniformly random open node among those nearest (in edits) to the best
+    node (or to a random one of ``anchors``, e.g. the score/cost front), which becomes the new climb.
+    A kick of one edit followed by a climb is a pair of edits, which crosses a deceptive valley (two
+    edits that help only together) that a greedy step cannot. With probability ``explore`` the restart
+    is from a uniformly random open node instead.
+
+    Example:
+        >>> tree = SearchTree()
+        >>> _ = tree.add(None, None, "root", "k0", {}, score=0.4)
+        >>> _ = tree.add(0, {"kind": "x"}, "e", "k1", {}, score=0.6)
+        >>> climb = [1]
+        >>> select_climb(tree, random.Random(0), climb).id
+        1
+        >>> tree.nodes[1].exhausted = True
+        >>> select_climb(tree, random.Random(0), climb).id, climb
+        (0, [0])
+    """
+    open_nodes = [n for n in tree.nodes if n.score is not None and not n.exhausted]
+    if not open_nodes:
+        return None
+    current = tree.nodes[climb[-1]] if climb else tree.nodes[0]
+    if not current.exhausted:
+        return current
+    if explore > 0 and rng.random() < explore:
+        pick = open_nodes[rng.randrange(len(open_nodes))]
+    else:
+        incumbent = (anchors[rng.randrange(len(anchors))] if anchors
+                     else max(tree.scored(), key=lambda n: (_objective(n), -n.id)))
+        rings = [[n for n in ring if not n.exhausted] for ring in neighbourhood(tree, incumbent.id)]
+        nearest = next((ring for ring in rings if ring), [])
+        if not incumbent.exhausted:
+            nearest = [incumbent]
+        # A node the tree cannot reach by known edits (never: every node has its parent) falls back to any.
+        pick = nearest[rng.randrange(len(nearest))] if nearest else open_nodes[rng.randrange(len(open_nodes))]
+    climb[:] = [pick.id]
+    return pick
 
 
 def _objective(node: TreeNode) -> float:

@@ -13,7 +13,15 @@ import dspy
 from flowopt.compiler.stage import Stage
 from flowopt.errors import BudgetExhausted, ConfigError, LMError
 from flowopt.optimizers.structure.proposers import LMProposer, Proposer, RuleProposer, Vocabulary
-from flowopt.optimizers.structure.search import MCTS, OBJECTIVES, SELECTIONS, Evaluation, SearchSettings, pareto_point
+from flowopt.optimizers.structure.search import (
+    MCTS,
+    OBJECTIVES,
+    SELECTIONS,
+    Evaluation,
+    SearchSettings,
+    pareto_point,
+    pick_point,
+)
 from flowopt.settings import at_least, between, check_stage, one_of
 from flowopt.workflow import Workflow
 
@@ -39,7 +47,11 @@ class StructureSearch(Stage):
     examples past ``max_examples``, else a held-out quarter of it) and the best re-measured one is
     returned; the report gives both scores, their 95% intervals, and the score/LM-calls Pareto front
     (``pareto.png``). ``objective="penalised"`` ranks by score minus ``cost_weight`` x LM calls per
-    example; with ``objective="score"`` pick another point of the front with :func:`replay`.
+    example. ``objective="pareto"`` also searches near the cheaper points of the front and keeps each
+    point's workflow in the report, so that :func:`pick` returns the best one within a cost limit::
+
+        best = flowopt.compile(wf, train, metric, stages=[StructureSearch(objective="pareto")])
+        cheap = pick(best, max_calls=3)   # the best workflow of the front at <= 3 LM calls per example
 
     Example:
         >>> from flowopt.optimizers.structure import StructureSearch
@@ -50,8 +62,8 @@ class StructureSearch(Stage):
     name: ClassVar[str] = "structure"
     max_rounds: int = 20
     max_evaluations: int | None = None
-    selection: str = "best_first"
-    explore: float = 0.2
+    selection: str = "climb"
+    explore: float = 0.0
     top_k: int = 4
     alpha: float = 0.2
     lambda_: float = 0.3
@@ -132,7 +144,8 @@ class StructureSearch(Stage):
             search_interval=[round(x, 6) for x in result.tree.nodes[result.best_node].interval],
             remeasured=result.remeasured, finalists=result.finalists,
             best_cost=result.tree.nodes[result.best_node].cost,
-            pareto_front=[pareto_point(n) for n in result.tree.pareto_front()],
+            pareto_front=[pareto_point(n, with_workflow=self.objective == "pareto")
+                          for n in result.tree.pareto_front()],
             search_examples=len(examples), final_examples=len(fresh), objective=self.objective,
             edits=[e.to_dict() for e in result.edits], edit_descriptions=[e.describe() for e in result.edits],
             tree=result.tree.to_dict(with_workflows=False),
@@ -165,6 +178,39 @@ class StructureSearch(Stage):
             cut = len(examples) - len(examples) // 4
             return examples[:cut], examples[cut:]
         return examples, examples  # too few to hold some out: finalists get fresh rollouts only
+
+
+def pick(compiled: Any, *, max_calls: float | None = None, max_tokens: float | None = None) -> Workflow:
+    """The best workflow of a compiled program's score/cost front (``StructureSearch(objective="pareto")``)
+    within a cost limit: LM calls and/or tokens per example, as measured on the search split.
+
+    ``compiled`` is what :func:`flowopt.compile` returned (or its ``CompileReport``). The workflow keeps the
+    compiled program's LM bindings. Scores on the front are search-split measurements; score the pick on
+    held-out data before relying on it.
+
+    Example:
+        >>> from flowopt.compiler import CompileReport, StageReport
+        >>> from flowopt.optimizers.structure import pick
+        >>> pick(CompileReport(stages=[StageReport("structure")]), max_calls=2)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        flowopt.errors.ConfigError: the structure stage recorded no front with workflows. Fix: run ...
+    """
+    report = getattr(compiled, "report", compiled)
+    try:
+        front = report.stage("structure").info.get("pareto_front", [])
+    except (KeyError, AttributeError) as err:
+        raise ConfigError("this program has no structure stage report",
+                          fix='compile with stages=[StructureSearch(objective="pareto")]') from err
+    front = [p for p in front if "workflow" in p]
+    if not front:
+        raise ConfigError("the structure stage recorded no front with workflows",
+                          fix='run StructureSearch(objective="pareto")')
+    point = pick_point(front, max_calls=max_calls, max_tokens=max_tokens)
+    wf = Workflow.from_dict(point["workflow"])
+    own = getattr(compiled, "lms", {}) or {}
+    wf.lms.update({k: v for k, v in own.items() if k in wf.lms})
+    return wf
 
 
 class _Measurer:

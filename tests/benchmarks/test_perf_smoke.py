@@ -21,8 +21,6 @@ import pytest
 from flowopt.benchmarks.perf.harness import read_results
 
 PERF_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "perf"
-# Scripts in benchmarks/perf/ that are not yet on the harness (each being rewritten in its own issue).
-NOT_ON_HARNESS = {"structure_search_sim"}
 SHARED_MODULES = {"__init__", "lm_workload", "structure_families"}  # imported by scripts, not run
 
 
@@ -115,6 +113,17 @@ def _shared_search(r: dict[str, Any]) -> None:
         assert run["baseline_lm_calls"] == [0] * run["workers"]  # the incumbent's scores, from the study
 
 
+def _structure_search_sim(r: dict[str, Any]) -> None:
+    deceptive = r["families"]["deceptive"]
+    assert deceptive["max_evals"] == 25 and deceptive["optimum"] == 0.76
+    summary = deceptive["summary"]
+    for method in ("search", "random_walk", "hill_climb"):
+        assert summary[method]["runs"] == 2 and summary[method]["median_evaluations"] <= 25
+        assert 0.0 <= summary[method]["mean_returned_true"] <= 0.76
+    assert [(row["method"], row["seed"]) for row in deceptive["runs"]] == [
+        (m, s) for m in ("search", "random_walk", "hill_climb") for s in (0, 1)]
+
+
 # script -> (modules it needs beyond flowopt's dependencies, checks of its results)
 SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "workflow_overhead": ((), _workflow_overhead),
@@ -131,11 +140,12 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "runtime_ab": (("trl",), _runtime_ab),
     "weights_distributed": ((), _weights_distributed),
     "shared_search": (("psycopg",), _shared_search),  # and PostgreSQL's initdb (CI installs it)
+    "structure_search_sim": ((), _structure_search_sim),
 }
 
 
 def test_every_perf_script_has_a_smoke_case():
-    scripts = {p.stem for p in PERF_DIR.glob("*.py")} - SHARED_MODULES - NOT_ON_HARNESS
+    scripts = {p.stem for p in PERF_DIR.glob("*.py")} - SHARED_MODULES
     assert scripts == set(SCRIPTS)
 
 

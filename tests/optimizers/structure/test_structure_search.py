@@ -81,7 +81,7 @@ def test_mixed_selection_keeps_the_root_among_the_top_k():
     assert picked == {0, 6, 7}
 
 
-@pytest.mark.parametrize("selection", ["best_first", "mixed", "uct"])
+@pytest.mark.parametrize("selection", ["climb", "best_first", "mixed", "uct"])
 def test_search_improves_and_never_scores_a_graph_twice(toys, selection):
     result, evaluate = _run(toys, selection=selection, max_rounds=25, convergence_rounds=None)
     assert result.best_score > toys.score(toys.single()) + 0.2
