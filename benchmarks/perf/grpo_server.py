@@ -22,59 +22,17 @@ Writes benchmarks/results/grpo_server.{json,md} (``--out STEM``).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from flowopt.benchmarks import cue_word
 from flowopt.benchmarks.perf.harness import Goal, PerfParser, interleaved, markdown_table, setup_logging, start_run
+from flowopt.lm.serve_process import serve_subprocess
 
 SMOKE = {"steps": 2, "repeats": 1, "hidden": 64, "layers": 2, "batch": 2, "group": 2, "completion": 3}
 LABELS = ["Noise:", "Cue:", "Word:", "---", "Given", "fields", "produce", "`noise`,", "`cue`,", "`word`."]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def flowopt_serve(model_dir: Path | str, lora_root: Path, log: Path) -> Iterator[str]:
-    """``flowopt serve MODEL --enable-lora --lora-root ROOT`` on a free loopback port, one torch thread."""
-    import httpx
-
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "flowopt.lm.serve", str(model_dir), "--port", str(port), "--dtype", "float32",
-               "--enable-lora", "--lora-root", str(lora_root), "--max-loras", "2", "--log-level", "warning",
-               "--max-batch-size", "64"]
-    with log.open("w") as handle:
-        proc = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                httpx.get(f"{base}/models", timeout=5).raise_for_status()
-                break
-            except httpx.HTTPError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"flowopt serve did not start:\n{log.read_text()}") from None
-                time.sleep(0.5)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def run_grpo(model_dir: Path | str, args: Any, option: Any) -> dict[str, Any]:
@@ -132,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = Path(tmp) / "model"
             model.save_pretrained(model_dir)
             tokenizer.save_pretrained(model_dir)
-        with flowopt_serve(model_dir, root, Path(tmp) / "server.log") as base:
+        # One torch thread: the trainer and the server share the cores.
+        with serve_subprocess(model_dir, "--dtype", "float32", "--enable-lora", "--lora-root", str(root),
+                              "--max-loras", "2", "--log-level", "warning", "--max-batch-size", "64",
+                              log=Path(tmp) / "server.log", env={"OMP_NUM_THREADS": "1"}) as base:
             counter = iter(range(10_000))
             option = lambda: InferenceServer(base, adapter_dir=root / f"run{next(counter)}")  # noqa: E731
             runs = interleaved({"local": lambda: run_grpo(model_dir, args, None),

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,16 +28,11 @@ from typing import Any
 
 from flowopt.benchmarks import cue_word
 from flowopt.benchmarks.perf.harness import Goal, PerfParser, interleaved, markdown_table, setup_logging, start_run
+from flowopt.ports import free_port
 
 SMOKE = {"examples": 8, "epochs": 1, "steps": 1, "repeats": 1}
 STAGES = ("finetune", "grpo")
 LABELS = ["Noise:", "Cue:", "Word:", "---", "Given", "fields", "produce", "`noise`,", "`cue`,", "`word`."]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_task(folder: Path, examples: int) -> dict[str, Path]:
@@ -78,7 +72,7 @@ def launch_command(processes: int, port: int) -> list[str]:
 
 def run_stages(processes: int, stage: list[str], files: dict[str, Path], run_dir: Path) -> float:
     """One launched compile of the stages ``stage`` (``--stage ... --set ...``); returns its wall seconds."""
-    command = [*launch_command(processes, _free_port()), "-m", "flowopt.optimizers.weights",
+    command = [*launch_command(processes, free_port()), "-m", "flowopt.optimizers.weights",
                "--program", str(files["program"]), "--trainset", str(files["train"]), "--valset", str(files["val"]),
                "--inputs", "noise,cue", "--metric", "flowopt.benchmarks.cue_word:metric", *stage,
                "--run-dir", str(run_dir)]

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import dspy
 import pytest
+
+from flowopt.lm.serve_process import serve_subprocess
 
 REPO = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Question: hello there?"}]
@@ -34,47 +31,22 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-@contextlib.contextmanager
-def _serving(model_dir: Path, log: Path, *extra: str) -> Iterator[str]:
+# The console command's entry point (``flowopt serve`` dispatches to the bench CLI's main).
+CONSOLE = ("-c", "import sys; from flowopt.benchmarks.cli import main; sys.exit(main())", "serve")
+
+
+def _serving(model_dir: Path, log: Path, *extra: str) -> contextlib.AbstractContextManager[str]:
     """Run ``flowopt serve MODEL ...`` (the console command's entry point) on a free loopback port."""
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     # float32 like the in-process fixtures, so greedy outputs can be compared token for token.
-    command = [sys.executable, "-c", "import sys; from flowopt.benchmarks.cli import main; sys.exit(main())",
-               "serve", str(model_dir), "--port", str(port), "--dtype", "float32", "--max-new-tokens", "12",
-               "--log-level", "warning", *extra]
-    with log.open("w") as handle:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                _get(f"{base}/models")
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start:\n{log.read_text()}") from None
-                time.sleep(0.3)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    return serve_subprocess(model_dir, "--dtype", "float32", "--max-new-tokens", "12", "--log-level", "warning",
+                            *extra, log=log, entry=CONSOLE, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                            cwd=REPO, start_timeout_s=90)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     with _serving(tiny_model_dir, tmp_path_factory.mktemp("serve") / "server.log", "--name", "tiny-served") as base:
         yield base
-
-
-def _free_port() -> int:
-    """A free loopback port (released again just before the server binds it)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_served_greedy_output_matches_in_process_through_dspy_and_litellm(server, tiny_local):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
@@ -23,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from flowopt.ports import free_port
 
 USER = "flowopt"
 
@@ -57,12 +58,6 @@ def require_postgres() -> None:
     pytest.skip(reason)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class PostgresCluster:
     """A running throwaway cluster; ``stop()`` (or leaving the ``with`` block) shuts it down and deletes it."""
 
@@ -84,7 +79,7 @@ class PostgresCluster:
                         "--no-sync", "-E", "UTF8"], check=True, capture_output=True, timeout=120)
         last_error = ""
         for _ in range(5):  # the free port may be taken between the probe and the bind: try another
-            cluster = cls(root, bindir, _free_port(), as_user)
+            cluster = cls(root, bindir, free_port(), as_user)
             options = (f"-c listen_addresses=127.0.0.1 -c port={cluster.port} -c unix_socket_directories={root} "
                        "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
             done = subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "log"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from flowopt.errors import ConfigError
 from flowopt.optimizers.weights import GRPO, BootstrapFinetune
 from flowopt.optimizers.weights.distributed import World
+from flowopt.ports import free_port
 
 WORKER = Path(__file__).parent / "ddp_worker.py"
 
@@ -29,16 +29,10 @@ def _worker():
     return module
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(kinds: list[str], out: Path, processes: int = 2) -> dict[str, dict]:
     """Start the worker ``processes`` times with the environment a launcher (torchrun, accelerate launch)
     gives each process: gloo over 127.0.0.1 on a free port."""
-    port = _free_port()
+    port = free_port()
     workers = [subprocess.Popen([sys.executable, str(WORKER), *kinds, str(out)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),

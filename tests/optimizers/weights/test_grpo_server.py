@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,47 +15,12 @@ import pytest
 
 from flowopt.errors import ConfigError, LMError
 from flowopt.lm import AutoAdapter
+from flowopt.lm.serve_process import serve_subprocess
 from flowopt.optimizers.weights import GRPO, InferenceServer, LoraSettings
+from flowopt.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 LORA = LoraSettings(r=4, alpha=8)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def flowopt_serve(model_dir: Path, lora_root: Path, log: Path) -> Iterator[str]:
-    """``flowopt serve MODEL --enable-lora --lora-root ROOT`` (the console command's entry point)."""
-    import httpx
-
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-c", "import sys; from flowopt.benchmarks.cli import main; sys.exit(main())",
-               "serve", str(model_dir), "--port", str(port), "--dtype", "float32", "--enable-lora",
-               "--lora-root", str(lora_root), "--max-loras", "2", "--log-level", "info"]
-    with log.open("w") as handle:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                httpx.get(f"{base}/models", timeout=5).raise_for_status()
-                break
-            except httpx.HTTPError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start:\n{log.read_text()}") from None
-                time.sleep(0.3)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +40,12 @@ def word_model_dir(tmp_path_factory) -> Path:
 def server(word_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-root")
     log = root.parent / "server.log"
-    with flowopt_serve(word_model_dir, root, log) as base:
+    # The console command's entry point, one torch thread.
+    with serve_subprocess(word_model_dir, "--dtype", "float32", "--enable-lora", "--lora-root", str(root),
+                          "--max-loras", "2", "--log-level", "info", log=log,
+                          entry=("-c", "import sys; from flowopt.benchmarks.cli import main; sys.exit(main())",
+                                 "serve"),
+                          env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO) as base:
         yield base, root, log
 
 
@@ -144,7 +112,7 @@ def test_a_stale_adapter_on_the_server_shows_in_the_gap(server, word_model_dir, 
 
 
 def test_unreachable_server_stops_grpo_before_any_step(word_model_dir, task, tmp_path):
-    option = InferenceServer(f"http://127.0.0.1:{_free_port()}/v1", adapter_dir=tmp_path / "adapters")
+    option = InferenceServer(f"http://127.0.0.1:{free_port()}/v1", adapter_dir=tmp_path / "adapters")
     with pytest.raises(LMError, match="cannot reach the inference server") as err:
         _grpo(word_model_dir, task, tmp_path / "run", option)
     assert "flowopt serve MODEL --enable-lora --lora-root" in str(err.value)
@@ -190,7 +158,7 @@ def _fake_server(app) -> Iterator[str]:
 
     import uvicorn
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -225,7 +193,7 @@ def test_server_rollouts_are_refused_on_a_launched_compile(word_model_dir, task,
     from flowopt.optimizers.weights.distributed import World
 
     monkeypatch.setattr(grpo, "current_world", lambda: World(rank=0, size=2))
-    option = InferenceServer(f"http://127.0.0.1:{_free_port()}/v1", adapter_dir=tmp_path / "adapters")
+    option = InferenceServer(f"http://127.0.0.1:{free_port()}/v1", adapter_dir=tmp_path / "adapters")
     with pytest.raises(ConfigError, match="launched on 2 processes") as err:
         _grpo(word_model_dir, task, tmp_path / "run", option)
     assert "launch one process" in str(err.value)
