@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -35,6 +36,30 @@ WORKER = Path(__file__).parent / "shared_worker.py"
 # 12 candidates, scored on all 8 valset examples each (no pruning: verdicts would depend on timing).
 SETTINGS = {"n_candidates": 12, "seeded": 1, "max_demos": 2, "max_labeled_demos": 2, "pool_size": 2,
             "pruner": "none", "heartbeat_s": 1, "stale_after_s": 4, "wait_timeout_s": 60}
+
+
+def _kill_and_join(victim: subprocess.Popen, survivors: list[subprocess.Popen]) -> None:
+    """SIGKILL the victim; every survivor must then finish the search and exit cleanly."""
+    victim.send_signal(signal.SIGKILL)
+    for w in survivors:
+        output = w.communicate(timeout=120)[0]
+        assert w.returncode == 0, output[-3000:]
+
+
+def _reap(workers: list[subprocess.Popen]) -> None:
+    """No worker outlives its test, whatever failed."""
+    for w in workers:
+        if w.poll() is None:
+            w.kill()
+        w.communicate()
+
+
+def _each_candidate_finished_once(url: str, study: str) -> list[Any]:
+    """The study's trials, after checking that each of the 12 candidates finished exactly once."""
+    trials = _trials(url, study)
+    finished = Counter(t.user_attrs["candidate"] for t in trials if t.state == TrialState.COMPLETE)
+    assert finished == Counter(range(12)), _states(url, study)  # none lost, none scored twice
+    return trials
 
 
 def _start(url: str, study: str, out: Path, latency: float, **extra) -> subprocess.Popen:
@@ -81,18 +106,10 @@ def test_three_workers_one_killed_finish_every_candidate_once_and_agree(postgres
         held = [t.user_attrs["candidate"] for t in _trials(postgres_url, "qa")
                 if t.state == TrialState.RUNNING and str(victim.pid) in t.user_attrs.get("worker", "")]
         assert held, _states(postgres_url, "qa")  # the victim dies holding a candidate
-        victim.send_signal(signal.SIGKILL)
-        for w in workers[1:]:
-            output = w.communicate(timeout=120)[0]
-            assert w.returncode == 0, output[-3000:]
+        _kill_and_join(victim, workers[1:])
     finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-            w.communicate()
-    trials = _trials(postgres_url, "qa")
-    finished = Counter(t.user_attrs["candidate"] for t in trials if t.state == TrialState.COMPLETE)
-    assert finished == Counter(range(12)), _states(postgres_url, "qa")  # none lost, none scored twice
+        _reap(workers)
+    trials = _each_candidate_finished_once(postgres_url, "qa")
     retried = [t for t in trials if "retry_of" in t.user_attrs]
     assert [t.user_attrs["candidate"] for t in retried] == held and retried[0].state == TrialState.COMPLETE
     results = [json.loads(out.read_text()) for out in outs[1:]]
@@ -131,18 +148,10 @@ def test_a_worker_killed_in_a_shared_step_is_replaced(postgres_url, tmp_path, st
             time.sleep(0.1)
         if step == "plan":  # the others scored while the victim, still planning, held the plan
             assert PLAN not in optuna.load_study(study_name=step, storage=postgres_url).user_attrs
-        victim.send_signal(signal.SIGKILL)
-        for w in workers[1:]:
-            output = w.communicate(timeout=120)[0]
-            assert w.returncode == 0, output[-3000:]
+        _kill_and_join(victim, workers[1:])
     finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-            w.communicate()
-    trials = _trials(postgres_url, step)
-    finished = Counter(t.user_attrs["candidate"] for t in trials if t.state == TrialState.COMPLETE)
-    assert finished == Counter(range(12)), _states(postgres_url, step)  # none lost, none scored twice
+        _reap(workers)
+    _each_candidate_finished_once(postgres_url, step)
     results = [json.loads(out.read_text()) for out in outs[1:]]
     # The plan: taken over by one survivor when the victim died planning, else the victim's.
     assert [r["info"]["planner"] for r in results].count(True) == (1 if step == "plan" else 0)
