@@ -7,9 +7,11 @@ forward reproduces), and with small models the Python around each step costs as 
 
 - **Draws.** A sampled row's token is drawn by inverse CDF from one uniform per row and step. The
   uniforms come from one ``generator`` for the whole batch when given (a GRPO step: one seeded stream),
-  else from the row's own generator (seeded by ``RowSettings.seed``, or from the OS), so a seeded sample
-  is the same whether it ran alone or beside others. Rows draw a uniform each step whether running or
-  not, so a row's sample never depends on when the others end.
+  else from the row's own generator (seeded by ``RowSettings.seed``, or from the OS), so in float32 a
+  seeded sample is the same whether it ran alone or beside others. In bfloat16 it may not be: the
+  model's batched arithmetic rounds differently from batch 1 (transformers' own ``generate`` shows
+  logit differences up to 0.375 on Gemma 3 270M), and a sampled token can follow. Rows draw a uniform
+  each step whether running or not, so a row's sample never depends on when the others end.
 - **Early exit.** Rows that ended (EOS, a stop string, their token limit) leave the batch and the KV
   cache once a quarter of them have, so one long completion does not keep every finished row computing.
 - **Log-probs** are those of ``softmax(logits / T)`` (T = 1 for greedy rows), before any top-k/top-p cut.
