@@ -80,6 +80,7 @@ from flowopt.modules import Predict
 from flowopt.optimizers.structure import MCTS, Evaluation, InvalidEdit, RuleProposer, SearchSettings, Vocabulary
 from flowopt.optimizers.structure.baselines import hill_climb, random_walk
 from flowopt.optimizers.structure.edits import SELECT_INSTRUCTION, AddProgrammer, AddRefine, Edit, RemoveNode
+from flowopt.optimizers.structure.search import SELECTIONS
 from flowopt.optimizers.structure.tree import ir_key
 from flowopt.testing import ScriptedEngine, ScriptedRequest
 
@@ -308,7 +309,7 @@ class FamilyEvaluator:
         return Evaluation(k / n, scores=[1.0] * k + [0.0] * (n - k), cost=cost)
 
 
-def search_settings(family: Family) -> SearchSettings:
+def search_settings(family: Family, selection: str = "auto") -> SearchSettings:
     """The search as a user would run it on this family: defaults, the family's budget, and on noise
     leaders measured three times before they are expanded, and a final re-measurement of the leaders
     (successive halving of 10, 3 measurements a round)."""
@@ -318,11 +319,12 @@ def search_settings(family: Family) -> SearchSettings:
     if family.cost_weight:
         extra.update(objective="penalised", cost_weight=family.cost_weight)
     return SearchSettings(max_rounds=10 * family.max_evals, max_evaluations=family.max_evals,
-                          convergence_rounds=None, **extra)
+                          convergence_rounds=None, selection=selection, **extra)
 
 
 # --------------------------------------------------------------------------------- the methods
-def run_method(method: str, seed: int, family: Family, target: float, budget: int | None = None) -> dict[str, Any]:
+def run_method(method: str, seed: int, family: Family, target: float, budget: int | None = None,
+               selection: str = "auto") -> dict[str, Any]:
     """One run; deterministic families stop once the optimum is scored (the best scored is returned, so
     it is returned from then on), the noisy one spends its whole budget and returns its pick."""
     t0 = time.perf_counter()
@@ -335,7 +337,7 @@ def run_method(method: str, seed: int, family: Family, target: float, budget: in
     row: dict[str, Any] = {"method": method, "seed": seed, "budget": budget}
     if method == "search":
         evaluate = FamilyEvaluator(family, seed, target)
-        search = MCTS(proposer, evaluate, search_settings(family), seed=seed,
+        search = MCTS(proposer, evaluate, search_settings(family, selection), seed=seed,
                       should_stop=None if noisy else (lambda: "optimum scored" if evaluate.first_optimal else None))
         result = search.run(start)
         best_ir = _ir_of(result.best)
@@ -559,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-evals", type=int, default=0, help="cap every family's budget (0: its own)")
     parser.add_argument("--validate-examples", type=int, default=0)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--selection", default="auto", choices=list(SELECTIONS),
+                        help="the search's selection (default: the stage's, auto)")
     parser.add_argument("--method-budget", nargs="*", default=[], metavar="METHOD=N",
                         help="a smaller evaluation budget for a slow baseline, e.g. random_walk=200 (a run "
                              "that does not score the optimum counts as N + 1)")
@@ -603,12 +607,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for method in args.methods:
             for seed in range(args.first_seed, args.first_seed + args.seeds):
-                row = run_method(method, seed, family, target, method_budget.get(method))
+                row = run_method(method, seed, family, target, method_budget.get(method), args.selection)
                 logger.info("%s %s", name, row)
                 rows.append(row)
         families[name] = {"description": family.description, "max_evals": family.max_evals, **info,
-                          "settings": asdict(search_settings(family)), "summary": summarise(family, rows),
-                          "runs": rows}
+                          "settings": asdict(search_settings(family, args.selection)),
+                          "summary": summarise(family, rows), "runs": rows}
         logger.info("%s: %s", name, families[name]["summary"])
     _finish(run, families, space_info, [])
     return 0
@@ -700,9 +704,10 @@ def _markdown(data: dict[str, Any]) -> list[str]:
     lines += [
         "Counts, not times, are the result. Methods, side by side on every family and seed, from the same "
         "start with the same rule proposer and one shared evaluation function: `search` = `MCTS` with the "
-        "stage's defaults (iterated local search: a first-improvement climb, and at a local optimum a restart "
-        "from a random open workflow nearest the best one; on the noisy family `confirm=3` (a node is measured "
-        "3 times before it is expanded) and a final re-measurement of the 10 leaders by successive halving; on "
+        "stage's defaults (selection `auto`: an iterated local search, a first-improvement climb, and at a local "
+        "optimum a restart from a random open workflow nearest the best one; on the noisy family `confirm=3` (a "
+        "node is measured 3 times before it is expanded, so `auto` searches best-first: the highest upper 95% "
+        "bound) and a final re-measurement of the 10 leaders by successive halving; on "
         "the cost family `objective=\"penalised\"`); `random_walk` = a uniformly random valid edit at each step; "
         "`hill_climb` = steepest ascent with random restarts. An evaluation is one evaluator call (the search's "
         "final re-measurements included). Deterministic families stop a run once the optimum is scored (the "

@@ -62,7 +62,7 @@ class StructureSearch(Stage):
     name: ClassVar[str] = "structure"
     max_rounds: int = 20
     max_evaluations: int | None = None
-    selection: str = "climb"
+    selection: str = "auto"
     explore: float = 0.0
     top_k: int = 4
     alpha: float = 0.2

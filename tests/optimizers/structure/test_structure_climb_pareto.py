@@ -166,3 +166,29 @@ def test_pareto_through_compile_and_pick(tmp_path):
 def test_search_settings_use_the_shared_validator(settings, match):
     with pytest.raises(ConfigError, match=re.escape(match)):
         SearchSettings(**settings)
+
+
+def test_auto_selection_climbs_without_noise_and_goes_best_first_under_confirmation():
+    # Under noise (leaders re-measured, confirm > 1) a first-improvement climb follows one lucky
+    # measurement: "auto" searches best-first there, and climbs otherwise; an explicit choice stands.
+    assert SearchSettings().resolved_selection() == "climb"
+    assert SearchSettings(confirm=3).resolved_selection() == "best_first"
+    assert SearchSettings(confirm=3, selection="climb").resolved_selection() == "climb"
+    assert StructureSearch().search_settings().resolved_selection() == "climb"
+
+    def noisy(seed: int):
+        rng = random.Random(seed)
+
+        def evaluate(wf):
+            p = _deceptive(wf)
+            k = sum(rng.random() < p for _ in range(30))
+            return Evaluation(k / 30, scores=[1.0] * k + [0.0] * (30 - k))
+        return evaluate
+
+    def events(selection: str) -> list[tuple[str, float]]:
+        settings = SearchSettings(max_rounds=200, max_evaluations=40, convergence_rounds=None, confirm=3,
+                                  selection=selection)
+        result = MCTS(RuleProposer(VOCAB), noisy(7), settings, seed=7).run(single())
+        return [(e["event"], e.get("child")) for e in result.log]
+
+    assert events("auto") == events("best_first") != events("climb")
