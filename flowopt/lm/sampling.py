@@ -5,13 +5,15 @@ temperature, top-k/top-p, seed, stop strings, token limit), GRPO needs the log-p
 sampled token under the distribution it was drawn from (``softmax(logits / T)``, which the training
 forward reproduces), and with small models the Python around each step costs as much as the step.
 
-- **Draws.** A sampled row's token is drawn by inverse CDF from one uniform per row and step. The
-  uniforms come from one ``generator`` for the whole batch when given (a GRPO step: one seeded stream),
-  else from the row's own generator (seeded by ``RowSettings.seed``, or from the OS), so in float32 a
-  seeded sample is the same whether it ran alone or beside others. In bfloat16 it may not be: the
-  model's batched arithmetic rounds differently from batch 1 (transformers' own ``generate`` shows
-  logit differences up to 0.375 on Gemma 3 270M), and a sampled token can follow. Rows draw a uniform
-  each step whether running or not, so a row's sample never depends on when the others end.
+- **Draws.** With one ``generator`` for the whole batch (a GRPO step: one seeded stream), a sampled
+  row's token is drawn by inverse CDF from one uniform per row and step; rows draw a uniform each step
+  whether running or not, so a row's sample never depends on when the others end. Without one, each
+  sampled row draws from its own generator (seeded by ``RowSettings.seed``, or from the OS) with
+  ``torch.multinomial``, whose one-sample draw is an exponential race (the argmax of ``p / Exp(1)``
+  noise): it moves only when the top ratios are close, so a seeded sample is the same whether it ran
+  alone or beside others, also in bfloat16, where batched arithmetic rounds differently from batch 1
+  (an inverse CDF over the vocabulary in id order moves with the mass of every token before the pick:
+  it gave 0 of 4 identical seeded samples of Gemma 3 270M where this gives 4 of 4).
 - **Early exit.** Rows that ended (EOS, a stop string, their token limit) leave the batch and the KV
   cache once a quarter of them have, so one long completion does not keep every finished row computing.
 - **Log-probs** are those of ``softmax(logits / T)`` (T = 1 for greedy rows), before any top-k/top-p cut.
@@ -113,8 +115,8 @@ def _truncate(logprobs: torch.Tensor, row: RowSettings) -> torch.Tensor:
     return logprobs
 
 
-class _Uniforms:
-    """One uniform per row and step: from the batch's generator, or from each sampled row's own."""
+class _Draws:
+    """Sampled rows' tokens: inverse CDF with the batch's generator, else each row's own multinomial draw."""
 
     def __init__(self, rows: Sequence[RowSettings], generator: Any, device: Any) -> None:
         import torch
@@ -130,16 +132,19 @@ class _Uniforms:
                     gen.manual_seed(row.seed if row.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
                 self.own.append(gen)
 
-    def next(self) -> torch.Tensor:
+    def draw(self, logprobs: torch.Tensor, live: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+        """One token per row of ``logprobs`` (the live rows, in order); greedy rows keep ``greedy``."""
         import torch
 
         if self.generator is not None:
-            return torch.rand(self.n, generator=self.generator, device=self.device)
-        out = torch.zeros(self.n, device=self.device)
-        for i, gen in enumerate(self.own):
+            uniforms = torch.rand(self.n, generator=self.generator, device=self.device)
+            return inverse_cdf(logprobs, uniforms[live])
+        picked = greedy.clone()
+        for j, row_index in enumerate(live.tolist()):
+            gen = self.own[row_index]
             if gen is not None:
-                out[i] = torch.rand(1, generator=gen, device=self.device)[0]
-        return out
+                picked[j] = torch.multinomial(logprobs[j].exp(), 1, generator=gen)[0]
+        return picked
 
 
 def sample(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], rows: Sequence[RowSettings], *,
@@ -168,7 +173,7 @@ def sample(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], rows: S
     want_logprobs = any(r.logprobs for r in rows)
     limits = torch.tensor([r.max_new_tokens for r in rows], device=device)
     steps = max(r.max_new_tokens for r in rows)
-    uniforms = _Uniforms(rows, generator, device)
+    draws = _Draws(rows, generator, device)
     eos_tensor = torch.as_tensor(eos or [-1], device=device)
     stops = _StopWatch(tokenizer, rows)
 
@@ -195,7 +200,7 @@ def sample(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], rows: S
                     for j, row_index in enumerate(live.tolist()):
                         if row_index in truncated:
                             draw_from[j] = _truncate(logprobs[j], rows[row_index])
-                drawn = inverse_cdf(draw_from, uniforms.next()[live])
+                drawn = draws.draw(draw_from, live, picked)
                 picked = torch.where(live_sampled, drawn, picked)
             token = torch.full((n,), pad, dtype=torch.long, device=device)
             token[live] = picked

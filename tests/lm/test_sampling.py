@@ -76,3 +76,18 @@ def test_a_stop_string_ends_its_row_only(tiny_local):
     assert out[0].finish_reason == "stop" and word not in out[0].text
     assert len(out[0].completion_ids) < len(free[0].completion_ids) or free[0].finish_reason == "stop"
     assert out[1].completion_ids == free[1].completion_ids
+
+
+def test_a_seeded_row_draws_with_its_own_multinomial_whatever_rows_run_beside_it(tiny_local):
+    # Without a batch generator, a seeded row's token is torch.multinomial's draw from its own generator
+    # (an exponential race, robust to the batch's rounding), the same alone and batched.
+    model, tokenizer = tiny_local.model, tiny_local.tokenizer
+    seeded = [RowSettings(max_new_tokens=1, temperature=0.8, seed=10 + i, logprobs=True) for i in range(4)]
+    batched = sample(model, tokenizer, PROMPTS[:4], seeded)
+    for i, s in enumerate(batched):
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPTS[i]])).logits[0, -1].float() / 0.8
+        probs = torch.softmax(logits, -1)
+        expected = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(10 + i)).item()
+        assert s.completion_ids == [expected]
+        assert sample(model, tokenizer, [PROMPTS[i]], [seeded[i]])[0].completion_ids == [expected]
