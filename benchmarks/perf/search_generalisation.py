@@ -184,8 +184,8 @@ def _capturing_search(**settings: Any) -> Any:
     from flowopt.optimizers.search import RandomSearch
 
     class CapturingSearch(RandomSearch):
-        def _race(self, study: Any, asked: list[Any], order: list[Any], ends: list[int], ctx: Any) -> None:
-            super()._race(study, asked, order, ends, ctx)
+        def race(self, study: Any, asked: list[Any], order: list[Any], ends: list[int], ctx: Any) -> None:
+            super().race(study, asked, order, ends, ctx)
             states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
             store = _CAPTURED.setdefault(id(self), {})
             store.update({t.user_attrs["candidate"]: p for t, p in asked if states.get(t.number) == TrialState.PRUNED})

@@ -352,10 +352,10 @@ class SharedWorker:
                 if twin is not None:
                     outcomes = stored_outcomes(twin)
                     self.ctx.evaluator.remember(candidate, self.order[: len(outcomes)], outcomes)
-            self.stage._race(self.study, asked, self.order, ends, self.ctx)
+            self.stage.race(self.study, asked, self.order, ends, self.ctx)
             self.scored_here += len(trials)
             return None
-        except BudgetExhausted as err:  # _race failed our running trials, marked interrupted
+        except BudgetExhausted as err:  # race failed our running trials, marked interrupted
             return f"budget: {err.limit}"
         except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError) as err:
             self._lost_to_others(self.study, trials, err)

@@ -55,8 +55,7 @@ class SearchSpace:
     @classmethod
     def build(cls, stage: RandomSearch, program: dspy.Module, ctx: StageContext, lm_pool: Executor) -> SearchSpace:
         space = cls._start(stage, program)
-        unshuffled = _unshuffled_slot(stage, program)
-        sets = space._fixed_sets(stage, program, ctx, unshuffled)
+        sets, unshuffled = space._fixed_sets(stage, program, ctx)
         bootstraps = space._bootstraps(stage, program, ctx, lm_pool, unshuffled)
         if unshuffled:  # in the zero-shot slot, second
             sets.insert(1, bootstraps.pop(0))
@@ -80,8 +79,7 @@ class SearchSpace:
         They are the full space's first candidates: when the unshuffled bootstrap takes the second slot,
         only the incumbent comes before it."""
         space = cls._start(stage, program)
-        unshuffled = _unshuffled_slot(stage, program)
-        sets = space._fixed_sets(stage, program, ctx, unshuffled)
+        sets, unshuffled = space._fixed_sets(stage, program, ctx)
         space._set_pools(sets[:1] if unshuffled else sets, None)
         space.instructions = {name: [p.signature.instructions] for name, p in program.named_predictors()}
         space._node_settings(stage, program)
@@ -95,16 +93,23 @@ class SearchSpace:
         space.predictors = [n for n, _ in program.named_predictors()]
         return space
 
-    def _fixed_sets(self, stage: RandomSearch, program: dspy.Module, ctx: StageContext,
-                    unshuffled: bool = False) -> list[tuple[str, dict[str, list[dict[str, Any]]]]]:
-        """The incumbent's, zero-shot and labeled-only demo sets (as many as ``n_candidates`` allows;
-        no zero-shot one when the unshuffled bootstrap takes its slot)."""
-        sets: list[tuple[str, dict[str, list[dict[str, Any]]]]] = [("incumbent", _current_demos(program))]
+    def _fixed_sets(self, stage: RandomSearch, program: dspy.Module,
+                    ctx: StageContext) -> tuple[list[tuple[str, dict[str, list[dict[str, Any]]]]], bool]:
+        """The incumbent's, zero-shot and labeled-only demo sets (as many as ``n_candidates`` allows), and
+        whether DSPy's unshuffled bootstrap takes the zero-shot slot.
+
+        An incumbent without demos is the zero-shot program already: its slot goes to the unshuffled
+        bootstrap instead (BFRS's seed -1, the demos stage's program), so a search run on its own tries
+        BFRS's very candidates and races that one like the rest instead of scoring it in full."""
+        current = {name: [d.toDict() if hasattr(d, "toDict") else dict(d) for d in predictor.demos]
+                   for name, predictor in program.named_predictors()}
+        unshuffled = stage.n_candidates > 1 and not any(current.values())
+        sets: list[tuple[str, dict[str, list[dict[str, Any]]]]] = [("incumbent", current)]
         if stage.n_candidates > 1 and not unshuffled:
             sets.append(("zero-shot", {n: [] for n in self.predictors}))
         if stage.n_candidates > 2:
             sets.append(("labeled", labeled_demos(ctx.trainset, stage.max_labeled_demos, ctx.seed, self.predictors)))
-        return sets
+        return sets, unshuffled
 
     def _set_pools(self, sets: list[tuple[str, dict[str, list[dict[str, Any]]]]],
                    more: Callable[[str], list[dict[str, Any]]] | None) -> None:
@@ -234,15 +239,3 @@ def _dedup(values: list[Any]) -> list[Any]:
         if v not in out:
             out.append(v)
     return out
-
-
-def _current_demos(program: dspy.Module) -> dict[str, list[dict[str, Any]]]:
-    return {name: [d.toDict() if hasattr(d, "toDict") else dict(d) for d in predictor.demos]
-            for name, predictor in program.named_predictors()}
-
-
-def _unshuffled_slot(stage: RandomSearch, program: dspy.Module) -> bool:
-    """An incumbent without demos is the zero-shot program already: its slot goes to DSPy's unshuffled
-    bootstrap instead (BFRS's seed -1, the demos stage's program), so a search run on its own tries
-    BFRS's very candidates and races that one like the rest instead of scoring it in full."""
-    return stage.n_candidates > 1 and not any(_current_demos(program).values())

@@ -232,7 +232,7 @@ class RandomSearch(Stage):
             while wave := next_wave(study, planned, width):
                 ctx.budget.check()
                 asked = [self._ask(study, space, program, ctx, number, previous) for number, previous in wave]
-                self._race(study, asked, order, ends, ctx)
+                self.race(study, asked, order, ends, ctx)
                 bar.update(len(asked))
             extra_width = self.parallel or 4
             while (count := self._extras_affordable(study, planned, n, extras, extra_width, ctx)) > 0:
@@ -242,7 +242,7 @@ class RandomSearch(Stage):
                     continue
                 ctx.budget.check()
                 asked = [self._ask(study, space, program, ctx, number, previous) for number, previous in wave]
-                self._race(study, asked, order, ends, ctx)
+                self.race(study, asked, order, ends, ctx)
                 bar.update(len(asked))
         except BudgetExhausted as err:
             stop_reason = f"budget: {err.limit}"
@@ -284,9 +284,10 @@ class RandomSearch(Stage):
             trial.set_user_attr("kind", "sampled")
         return trial, space.apply(program, trial)
 
-    def _race(self, study: Any, asked: list[tuple[Any, dspy.Module]], order: list[Any], ends: list[int],
-              ctx: StageContext) -> None:
-        """Score a wave of candidates together, rung by rung, pruning the ones shown to trail."""
+    def race(self, study: Any, asked: list[tuple[Any, dspy.Module]], order: list[Any], ends: list[int],
+             ctx: StageContext) -> None:
+        """Score a wave of candidates together, rung by rung, pruning the ones shown to trail (a shared
+        search races its claimed candidates through it too)."""
         from optuna.trial import TrialState
 
         alive = list(asked)
