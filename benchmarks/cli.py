@@ -38,6 +38,9 @@ def bench_parser(sub: argparse._SubParsersAction | None = None) -> argparse.Argu
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=4,
                         help="parallel threads for scoring and for compile() (default: %(default)s)")
+    parser.add_argument("--lm-batch", type=int, default=16,
+                        help="local models: most concurrent calls generated as one batch; raise it with "
+                             "--threads on a GPU (default: %(default)s)")
     parser.add_argument("--max-lm-calls", type=int, default=None, help="compile budget: LM calls")
     parser.add_argument("--max-cost-usd", type=float, default=None, help="compile budget: dollars")
     parser.add_argument("--max-wall-s", type=float, default=None, help="compile budget: wall time")
@@ -53,6 +56,8 @@ def bench_parser(sub: argparse._SubParsersAction | None = None) -> argparse.Argu
     weights.add_argument("--grpo-steps", type=int, default=20, help="GRPO optimizer steps (default: %(default)s)")
     weights.add_argument("--group-size", type=int, default=4,
                          help="GRPO samples per question (default: %(default)s)")
+    weights.add_argument("--grpo-batch", type=int, default=4,
+                         help="GRPO questions per step (default: %(default)s)")
     parser.add_argument("--out", default="runs/bench", help="output folder (default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or log lines: only the final table")

@@ -47,19 +47,20 @@ def run_bench(args: argparse.Namespace) -> int:
         sys.stdout.write("\n".join(lines) + "\n")
         return 0
     plan = plan_bench(args)  # every setting checked: nothing written, no LM called before this passes
-    lm, adapter = make_lm(args.lm, api_base=args.api_base, max_tokens=args.max_tokens)
+    lm, adapter = make_lm(args.lm, api_base=args.api_base, max_tokens=args.max_tokens, batch=args.lm_batch)
     plan.out.mkdir(parents=True, exist_ok=True)
     results = _Run(plan, args).run(lm, adapter)
     sys.stdout.write(f"{score_table(results)}\nresults in {plan.out}/\n")
     return 0 if not any(row["status"] == "failed" for row in results["stages"]) else 1
 
 
-def make_lm(model: str, *, api_base: str | None = None, max_tokens: int = 256) -> tuple[Any, Any]:
-    """The LM and adapter for ``--lm``: local models (embedded name or folder) get the completion adapter."""
+def make_lm(model: str, *, api_base: str | None = None, max_tokens: int = 256, batch: int = 16) -> tuple[Any, Any]:
+    """The LM and adapter for ``--lm``: local models (embedded name or folder) get the completion adapter
+    and generate up to ``batch`` concurrent calls as one batch."""
     if model.startswith("local/") or model == "gemma-3-270m" or Path(model).is_dir():
         from flowopt.lm import LocalLM, adapter_for
 
-        local = LocalLM(model.removeprefix("local/"), max_new_tokens=max_tokens)
+        local = LocalLM(model.removeprefix("local/"), max_new_tokens=max_tokens, max_batch_size=batch)
         return local.lm, adapter_for(local.lm)
     if "/" not in model:
         raise ConfigError(f"--lm {model!r} is neither a local model nor a litellm provider/model name",

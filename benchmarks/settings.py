@@ -55,6 +55,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     _at_least(args, "candidates", 1)
     _at_least(args, "max_tokens", 1)
     _at_least(args, "threads", 1)
+    _at_least(args, "lm_batch", 1)
+    _at_least(args, "grpo_batch", 1, "pass --grpo-batch 1 or more (questions per GRPO step)")
     _at_least(args, "epochs", 1)
     _at_least(args, "grpo_steps", 1)
     _at_least(args, "group_size", 2, "pass --group-size 2 or more (GRPO compares answers within a group)")
@@ -102,8 +104,8 @@ def build_stage(name: str, args: argparse.Namespace) -> Any:
     if name == "grpo":
         from flowopt.optimizers.weights import GRPO
 
-        return GRPO(student=args.student, steps=args.grpo_steps, group_size=args.group_size,
-                    max_new_tokens=args.max_tokens)
+        return GRPO(student=args.student, steps=args.grpo_steps, batch_size=args.grpo_batch,
+                    group_size=args.group_size, max_new_tokens=args.max_tokens)
     return name
 
 

@@ -163,6 +163,8 @@ def test_threads_reach_compile(tmp_path, scripted, monkeypatch):
     (["--threads", "0"], "--threads must be >= 1", "--threads 1"),
     (["--epochs", "0"], "--epochs must be >= 1", "--epochs 1"),
     (["--group-size", "1"], "--group-size must be >= 2", "--group-size 2"),
+    (["--grpo-batch", "0"], "--grpo-batch must be >= 1", "--grpo-batch 1"),
+    (["--lm-batch", "0"], "--lm-batch must be >= 1", "--lm-batch 1"),
     (["--labels", "only"], "only applies to the finetune stage", "add finetune"),
     (["--train", "300"], "exceeds the 264 examples", "lower --train"),
     (["--test", "2000"], "exceeds the 1055 examples", "--test 1055"),
@@ -197,8 +199,21 @@ def test_stages_none_scores_the_baseline_only(tmp_path, scripted):
 
 def test_help_advertises_stages_none_and_the_weights_settings():
     text = cli.bench_parser().format_help()
-    for flag in ("'none'", "--labels", "--student", "--teacher", "--epochs", "--grpo-steps", "--group-size"):
+    for flag in ("'none'", "--labels", "--student", "--teacher", "--epochs", "--grpo-steps", "--group-size",
+                 "--grpo-batch", "--lm-batch"):
         assert flag in text
+
+
+def test_weights_settings_reach_the_stages():
+    from flowopt.benchmarks.settings import build_stage
+
+    args = cli.bench_parser().parse_args(["gsm8k-dspy", "--grpo-steps", "7", "--grpo-batch", "16",
+                                          "--group-size", "8", "--max-tokens", "200", "--epochs", "2",
+                                          "--labels", "only"])
+    grpo = build_stage("grpo", args)
+    assert (grpo.steps, grpo.batch_size, grpo.group_size, grpo.max_new_tokens) == (7, 16, 8, 200)
+    finetune = build_stage("finetune", args)
+    assert (finetune.epochs, finetune.labels) == (2, "only")
 
 
 def test_bm25s_debug_lines_are_dropped(tmp_path, monkeypatch, caplog):
@@ -210,3 +225,18 @@ def test_bm25s_debug_lines_are_dropped(tmp_path, monkeypatch, caplog):
     assert cli.main(argv) == 0
     assert lm.engine.calls == 3  # the retrieval program ran (bm25s logs while indexing)
     assert not [r for r in caplog.records if r.name.startswith("bm25s")]
+
+
+def test_lm_batch_sets_the_local_models_batch_size(tmp_path):
+    from flowopt.lm import local_of
+    from flowopt.optimizers.weights.tiny import tiny_causal_lm
+
+    model, tokenizer = tiny_causal_lm(["red", "blue"])
+    model.save_pretrained(str(tmp_path / "tiny"))
+    tokenizer.save_pretrained(str(tmp_path / "tiny"))
+    lm, _adapter = runner.make_lm(str(tmp_path / "tiny"), max_tokens=5, batch=48)
+    local = local_of(lm)
+    try:
+        assert local is not None and local._batcher.max_batch_size == 48
+    finally:
+        local.close()
