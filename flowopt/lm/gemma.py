@@ -34,6 +34,13 @@ GEMMA_NAME = "gemma-3-270m"
 ALIASES = {GEMMA_NAME: GEMMA_NAME, "gemma3-270m": GEMMA_NAME, "gemma-3-270m-q4_k_m": GEMMA_NAME}
 MANIFEST = "flowopt-manifest.json"
 _FORMAT = 1  # bump when the conversion changes, so old caches are rebuilt
+#: A sentence and its ids under Gemma 3's tokenizer, ``<bos>`` (2) first. transformers before 5.23
+#: converts the GGUF's tokenizer wrongly: 5.17 loses merges ("Janet" -> "Jan", "et": 24 ids here) and
+#: 5.18-5.22 drop ``<bos>``. Gemma fed such ids degrades silently; measured with 5.17 on GSM8K gold
+#: rationales: SFT loss 6.57 nats per token where the right tokenizer gives 1.37, then NaN.
+TOKENIZER_PROBE = ("Janet sells 16 - 3 - 4 = 9 duck eggs a day.",
+                   (2, 209885, 35025, 236743, 236770, 236825, 753, 236743, 236800, 753, 236743, 236812, 578,
+                    236743, 236819, 29989, 14318, 496, 1719, 236761))
 
 
 def cache_root() -> Path:
@@ -80,6 +87,24 @@ def verify_gemma(folder: Path | None = None, *, deep: bool = False) -> bool:
     if deep:
         return all(_sha256(folder / name) == entry["sha256"] for name, entry in manifest["files"].items())
     return True
+
+
+def check_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """Raise LMError unless ``tokenizer`` encodes :data:`TOKENIZER_PROBE` as Gemma 3's tokenizer does.
+
+    Example:
+        >>> from transformers import AutoTokenizer
+        >>> check_tokenizer(AutoTokenizer.from_pretrained(str(gemma_dir())), gemma_dir())  # doctest: +SKIP
+    """
+    import transformers
+
+    text, expected = TOKENIZER_PROBE
+    got = tuple(tokenizer(text)["input_ids"])
+    if got != expected:
+        raise LMError(f"the Gemma 3 270M tokenizer at {folder} encodes a probe sentence as {len(got)} ids "
+                      f"{list(got[:6])}..., not Gemma's {len(expected)} ids {list(expected[:6])}...: it was converted "
+                      f"wrongly (transformers before 5.23 does; this is {transformers.__version__})",
+                      fix=f"pip install 'transformers>=5.23', then delete {folder} so it is converted again")
 
 
 def check_loaded_model(model: Any, folder: Path) -> None:
@@ -139,6 +164,7 @@ def _convert(folder: Path, progress: bool) -> None:
         steps.update(1)
         logger.info("loading the GGUF with transformers (dequantizing to float32)")
         tokenizer = AutoTokenizer.from_pretrained(str(work), gguf_file=gguf.name, local_files_only=True)
+        check_tokenizer(tokenizer, folder)  # before minutes of dequantizing, and before anything is cached
         model: Any = AutoModelForCausalLM.from_pretrained(str(work), gguf_file=gguf.name, dtype=torch.float32,
                                                      local_files_only=True)
         steps.update(1)

@@ -74,7 +74,7 @@ class LocalLM(PromptRendering, AdapterSet):
                  chat: bool | None = None, name: str | None = None, max_new_tokens: int = 512,
                  temperature: float = 0.0, batch_wait_ms: float = 10.0, max_batch_size: int = 16,
                  progress: bool = True) -> None:
-        from flowopt.lm.gemma import ALIASES, check_loaded_model, ensure_gemma
+        from flowopt.lm.gemma import ALIASES, check_loaded_model, check_tokenizer, ensure_gemma
 
         source = os.fspath(model)
         registered = ALIASES.get(source)
@@ -91,8 +91,9 @@ class LocalLM(PromptRendering, AdapterSet):
             self.source = str(path.resolve())
             default_name, default_chat, fingerprint = path.resolve().name, None, dir_fingerprint(path)
         torch_model, tokenizer = load_pretrained(path, device, dtype)
-        if registered is not None:
+        if registered is not None:  # a cache converted by an older transformers fails here, not silently
             check_loaded_model(torch_model, path)
+            check_tokenizer(tokenizer, path)
         self._setup(torch_model, tokenizer, name=name or default_name,
                     chat=chat if chat is not None else default_chat, fingerprint=fingerprint, device=device,
                     dtype=dtype, max_new_tokens=max_new_tokens, temperature=temperature,

@@ -8,6 +8,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+from flowopt.errors import LMError
 from flowopt.lm import gemma
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,3 +72,39 @@ def test_two_processes_starting_at_once_convert_once(tmp_path):
     assert all(p.returncode == 0 for p in procs)
     assert outputs[0] == outputs[1] == str(tmp_path / "models" / "gemma-3-270m")
     assert (tmp_path / "conversions.log").read_text().count("converted") == 1
+
+
+class _Tokenizer:
+    def __init__(self, ids):
+        self.ids = list(ids)
+
+    def __call__(self, text):
+        return {"input_ids": self.ids}
+
+
+def test_the_tokenizer_probe_accepts_gemmas_ids_and_names_the_fix_otherwise(tmp_path):
+    expected = gemma.TOKENIZER_PROBE[1]
+    gemma.check_tokenizer(_Tokenizer(expected), tmp_path)
+    for wrong in (expected[1:], (18125, 536, 503, 535, 5629)):  # no <bos> (transformers 5.18-5.22); lost merges (5.17)
+        with pytest.raises(LMError) as err:
+            gemma.check_tokenizer(_Tokenizer(wrong), tmp_path)
+        assert "converted wrongly" in str(err.value) and "transformers>=5.23" in err.value.fix
+        assert str(tmp_path) in err.value.fix
+
+
+def test_a_wrong_tokenizer_stops_the_conversion_before_anything_is_cached(tmp_path, monkeypatch):
+    import transformers
+
+    def fake_assemble(target, progress=True):
+        target.write_bytes(b"gguf")
+        return target
+
+    monkeypatch.setattr(gemma, "assemble_gguf", fake_assemble)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: _Tokenizer(gemma.TOKENIZER_PROBE[1][1:])))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: pytest.fail("the model must not be dequantized")))
+    folder = gemma.gemma_dir(tmp_path)
+    with pytest.raises(LMError, match="converted wrongly"):
+        gemma.ensure_gemma(tmp_path, progress=False)
+    assert not folder.exists() and [p.name for p in folder.parent.iterdir()] == ["gemma-3-270m.lock"]

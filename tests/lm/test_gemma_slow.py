@@ -21,3 +21,16 @@ def test_gemma_chain_of_thought_gives_parseable_output():
     assert result.reasoning.strip() and result.answer.strip()
     assert local.lm.history[-1]["usage"]["completion_tokens"] > 0
     local.close()
+
+
+@pytest.mark.slow
+def test_the_packaged_gguf_tokenizer_passes_the_probe(tmp_path):
+    """The probe's ids are what this transformers makes of the packaged GGUF (the conversion's own check)."""
+    from transformers import AutoTokenizer
+
+    from flowopt.lm import gemma
+
+    gguf = gemma.assemble_gguf(tmp_path / "model.gguf", progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf.name, local_files_only=True)
+    gemma.check_tokenizer(tokenizer, tmp_path)
+    assert tokenizer.decode(list(gemma.TOKENIZER_PROBE[1]), skip_special_tokens=True) == gemma.TOKENIZER_PROBE[0]
