@@ -78,3 +78,37 @@ def test_an_error_reaches_every_caller_of_the_batch_and_the_worker_survives():
     batcher.close()
     with pytest.raises(RuntimeError):
         batcher.submit("late")
+
+
+def _trickle(batcher, gaps_s):
+    """Submit one job after each gap (seconds) from one thread; return the futures."""
+    futures = []
+    for gap in gaps_s:
+        time.sleep(gap)
+        futures.append(batcher.submit_async(len(futures)))
+    return futures
+
+
+def test_callers_returning_spread_out_still_share_one_batch():
+    """Arrivals about 20 ms apart (a 200 ms quiet window leaves room for a loaded machine): one batch,
+    although the last arrives well after a fixed 200 ms window from the first would have closed."""
+    batcher = DynamicBatcher(lambda g, xs: list(xs), max_batch_size=16, wait_ms=200)
+    futures = _trickle(batcher, [0.0] + [0.04] * 7)
+    assert [f.result(timeout=10) for f in futures] == list(range(8))
+    assert batcher.batch_sizes == [8]
+    batcher.close()
+
+
+def test_a_steady_trickle_is_cut_at_the_longest_wait():
+    """Arrivals every 20 ms or more never leave a 200 ms window quiet; the batch still runs
+    max_wait_factor x wait_ms after its first job (400 ms here), so nobody waits for the trickle to end."""
+    batcher = DynamicBatcher(lambda g, xs: list(xs), max_batch_size=64, wait_ms=200, max_wait_factor=2)
+    futures = _trickle(batcher, [0.0] + [0.02] * 39)  # at least 780 ms of arrivals
+    assert [f.result(timeout=10) for f in futures] == list(range(40))
+    assert len(batcher.batch_sizes) >= 2 and max(batcher.batch_sizes) <= 21  # 400 ms / 20 ms + 1
+    batcher.close()
+
+
+def test_the_longest_wait_is_checked():
+    with pytest.raises(ValueError, match="max_wait_factor"):
+        DynamicBatcher(lambda g, xs: list(xs), max_wait_factor=0.5)
