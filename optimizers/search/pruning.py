@@ -28,10 +28,11 @@ a rank says nothing about significance, so it needs a sizeable sample). The conf
 looks again every 5% of the valset (:func:`looks`), and the search skips a look that would leave
 threads idle (:func:`next_look`). Each look is a decision at level ``alpha``; over all of a
 candidate's looks the chance of pruning one that ties the leader on the whole valset is about
-``alpha`` when a quarter of the examples are discordant and grows with the looks and the discordance
-(measured in the tests: 4.5% at 15 + 15 discordant of 100, 13% at 35 + 35), which is why the looks
-are not finer. The search's benchmark measures how often a pruned candidate's whole-valset score
-ends above the returned program's.
+``alpha`` when 30% of the examples are discordant, and grows with the looks and the discordance
+(over random orders of a valset of 100: 16 of 300 at 15 + 15 discordant, in the tests; about 13% at
+35 + 35; 7.7% at 15 + 15 when looking after every example), which is why the looks are not finer.
+The search's benchmark measures how often a pruned candidate's whole-valset score ends above the
+returned program's.
 
 Example:
     >>> from flowopt.optimizers.search.pruning import first_look, first_rung, rungs, worse_than

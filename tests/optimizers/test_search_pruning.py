@@ -202,3 +202,12 @@ def test_the_default_looks_together_keep_the_level_on_a_tied_valset():
         c, lead = [challenger[i] for i in order], [leader[i] for i in order]
         pruned += any(worse_than(c[:end], lead[:end], population=100) for end in ends[:-1])
     assert pruned / orders <= 0.05 + 0.02, pruned  # 0.02: Monte Carlo slack at 300 orders
+
+
+def test_the_stage_looks_from_20_examples_with_confidence_and_from_a_quarter_otherwise():
+    from flowopt.optimizers.search import RandomSearch
+
+    assert RandomSearch().rung_ends(100) == looks(100, 20)
+    assert RandomSearch(minibatch_size=30).rung_ends(100)[:2] == [30, 35]
+    assert RandomSearch(pruner="halving").rung_ends(100) == [25, 50, 100]
+    assert RandomSearch(pruner="none").rung_ends(100) == [100]
