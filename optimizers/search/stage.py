@@ -54,7 +54,16 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
-from flowopt.optimizers.search.pruning import PRUNE_RULES, first_rung, looks, rungs, verdicts, worse_than
+from flowopt.optimizers.search.pruning import (
+    PRUNE_RULES,
+    first_look,
+    first_rung,
+    looks,
+    next_look,
+    rungs,
+    verdicts,
+    worse_than,
+)
 from flowopt.optimizers.search.shared import run_shared
 from flowopt.optimizers.search.shared_storage import exclusive_run_dir, is_shared
 from flowopt.optimizers.search.space import CandidateSource, SearchSpace
@@ -108,9 +117,10 @@ class RandomSearch(Stage):
             or ``"none"``. The incumbent is never pruned.
         alpha: the confidence pruner's one-sided error level per decision.
         reduction_factor: successive halving's eta.
-        minibatch_size: valset examples in the first rung (at least ``max(20, 25% of the valset)``);
-            then ``confidence`` looks again every 5% of the valset (a trailing candidate stops within
-            a few examples of falling clearly behind), the other rules at rungs growing 2x.
+        minibatch_size: valset examples in the first rung (``confidence``: at least 20; the other
+            rules: at least ``max(20, 25% of the valset)``); then ``confidence`` looks again every 5%
+            of the valset (a trailing candidate stops within a few examples of falling clearly
+            behind), the other rules at rungs growing 2x.
         parallel: candidates raced at once (default: all planned ones for ``"random"``, 4 for
             ``"tpe"``; extras go 4 at a time).
         finalists: how many fully scored candidates to re-score against the winner's curse (0: off).
@@ -197,7 +207,7 @@ class RandomSearch(Stage):
         if self.pruner == "none":
             return [n]
         if self.pruner == "confidence":
-            return looks(n, first_rung(n, self.minibatch_size))
+            return looks(n, first_look(n, self.minibatch_size))
         return rungs(n, first_rung(n, self.minibatch_size), 2.0)
 
     def scores_its_start(self) -> bool:
@@ -298,7 +308,9 @@ class RandomSearch(Stage):
         incumbent = next((t.number for t in earlier if t.user_attrs.get("kind") == "incumbent"), None)
         prev = 0
         try:
-            for cum in ends:
+            while alive and prev < len(order):
+                # The next look is the first that gives every thread an example (one candidate left: 8 at a time).
+                cum = next_look(ends, prev, len(alive), ctx.num_threads)
                 ctx.budget.check()
                 results = ctx.evaluate_many([(c, order[prev:cum]) for _, c in alive],
                                             desc=f"{len(alive)} candidates, {cum}/{len(order)}")
@@ -383,7 +395,8 @@ class RandomSearch(Stage):
         complete = [t for t in trials if t.state == TrialState.COMPLETE and SCORES in t.user_attrs
                     and len(t.user_attrs[SCORES]) == n_val]
         pruned = [t for t in trials if t.state == TrialState.PRUNED]
-        by_rung = {str(end): sum(1 for t in pruned if len(t.user_attrs.get(SCORES, ())) == end) for end in ends[:-1]}
+        by_rung = {str(end): count for end in ends[:-1]
+                   if (count := sum(1 for t in pruned if len(t.user_attrs.get(SCORES, ())) == end))}
         ctx.record(candidates_tried=len(complete) + len(pruned), pruned=len(pruned), pruned_by_rung=by_rung,
                    fully_scored=len(complete), rungs=ends, pruner=self.pruner, stop_reason=stop_reason,
                    extra=sum(1 for t in complete + pruned if t.user_attrs.get("candidate", 0) >= self.n_candidates),
