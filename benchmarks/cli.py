@@ -25,7 +25,7 @@ def bench_parser(sub: argparse._SubParsersAction | None = None) -> argparse.Argu
                              "name such as openai/gpt-4o-mini (default: %(default)s)")
     parser.add_argument("--api-base", default=None, help="OpenAI-compatible endpoint (vLLM, Ollama, flowopt serve)")
     parser.add_argument("--program", default="cot", help="predict, cot or workflow (default: %(default)s)")
-    parser.add_argument("--stages", default="demos,search",
+    parser.add_argument("--stages", default="search",
                         help="comma-separated compile stages (labeled, demos, search, structure, finetune, grpo), "
                              "or 'none' to score the baseline only (default: %(default)s)")
     parser.add_argument("--train", type=int, default=20, help="training examples (default: %(default)s)")

@@ -43,7 +43,7 @@ def compile(
     max_errors: int | None = None,
     quiet: bool = False,
 ) -> dspy.Module:
-    """Compile ``program``: run ``stages`` (default ``["demos", "search"]``) and return the best program.
+    """Compile ``program``: run ``stages`` (default ``["search"]``) and return the best program.
 
     Each stage starts from the best program so far; the baseline and every stage's output are scored
     on ``valset`` (or a seeded 30% split of ``trainset``) and a stage's output is kept only if it
