@@ -23,7 +23,8 @@ Methods, every one on every seed (paired): BFRS(8) and BFRS(16) (DSPy's
 candidates (zero-shot as the incumbent, DSPy's unshuffled bootstrap, labeled-only, 8 shuffled
 bootstraps) and its default pruner (with and without paid-for extras), with ``pruner="none"``, and at
 BFRS(8)'s LM calls (``Budget(max_lm_calls=...)``); ``demos`` + ``search`` with the same candidates;
-flowopt's defaults (``compile()`` with no stages given: ``demos`` + ``search``);
+``demos`` + ``search`` with the search's default settings (``compile()``'s default stages until
+b7bc532, now ``search`` alone);
 ``dspy.MIPROv2(auto="light")``; and the ``mipro`` and ``gepa`` stages (``gepa`` at BFRS(8)'s calls).
 
 Pruner error: for the flowopt runs with pruning, the full-valset score of every pruned candidate
@@ -57,7 +58,7 @@ from flowopt.benchmarks.perf.harness import Goal, PerfParser, markdown_table, se
 SHAPES = ("spread", "needles", "instructions")
 ORIGINAL = "Given the fields `question`, produce the fields `answer`."
 METHODS = ("bfrs8", "bfrs16", "flowopt8", "flowopt8_extra0", "flowopt8_none", "flowopt_at_bfrs8_calls",
-           "flowopt8_demos_extra0", "flowopt_defaults", "mipro_light", "mipro_stage", "gepa_stage")
+           "flowopt8_demos_extra0", "flowopt_demos_search", "mipro_light", "mipro_stage", "gepa_stage")
 LABELS = {
     "bfrs8": "DSPy BFRS(8)",
     "bfrs16": "DSPy BFRS(16)",
@@ -66,7 +67,8 @@ LABELS = {
     "flowopt8_none": "flowopt `search`, BFRS(8)'s candidates, `pruner=\"none\"`",
     "flowopt_at_bfrs8_calls": "flowopt `search` at BFRS(8)'s LM calls (`Budget`)",
     "flowopt8_demos_extra0": "flowopt `demos` + `search`, BFRS(8)'s candidates only (`extra=0`)",
-    "flowopt_defaults": "flowopt defaults (`compile()`, no stages given: `demos` + `search`)",
+    "flowopt_demos_search": ("flowopt `demos` + `search`, the search's default settings "
+                             "(`compile()`'s default stages before b7bc532)"),
     "mipro_light": "dspy.MIPROv2(auto=\"light\")",
     "mipro_stage": "flowopt `mipro` stage (light)",
     "gepa_stage": "flowopt `gepa` stage at BFRS(8)'s LM calls",
@@ -212,9 +214,9 @@ def _stages(name: str, bfrs8_calls: int | None) -> tuple[list[Any], Any, Any]:
     if name == "flowopt8_demos_extra0":
         search = _capturing_search(n_candidates=11, extra=0)
         return ["demos", search], None, search
-    if name == "flowopt_defaults":
+    if name == "flowopt_demos_search":
         search = _capturing_search()
-        return ["demos", search], None, search  # compile()'s default stages, the search's default settings
+        return ["demos", search], None, search  # the default stages until b7bc532
     if name == "mipro_stage":
         return [("mipro", {"auto": "light"})], None, None
     if name == "gepa_stage":
