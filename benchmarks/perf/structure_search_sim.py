@@ -310,16 +310,16 @@ class FamilyEvaluator:
 
 
 def search_settings(family: Family, selection: str = "auto") -> SearchSettings:
-    """The search as a user would run it on this family: defaults, the family's budget, and on noise
-    leaders measured three times before they are expanded, and a final re-measurement of the leaders
-    (successive halving of 10, 3 measurements a round)."""
-    extra: dict[str, Any] = {}
+    """The search as a user would run it on this family: defaults and the family's budget. Under noise,
+    leaders are measured three times before they are expanded, at most 60 new candidates are explored
+    (``max_rounds``), and the rest of the budget races the 10 leaders on fresh samples (3 measurements
+    each, then the leader against its strongest challenger)."""
+    extra: dict[str, Any] = {"max_rounds": 10 * family.max_evals}
     if family.noise_examples is not None:
-        extra.update(final_top=10, final_repeats=3, confirm=3)
+        extra.update(final_top=10, final_repeats=3, confirm=3, max_rounds=60)
     if family.cost_weight:
         extra.update(objective="penalised", cost_weight=family.cost_weight)
-    return SearchSettings(max_rounds=10 * family.max_evals, max_evaluations=family.max_evals,
-                          convergence_rounds=None, selection=selection, **extra)
+    return SearchSettings(max_evaluations=family.max_evals, convergence_rounds=None, selection=selection, **extra)
 
 
 # --------------------------------------------------------------------------------- the methods
@@ -707,7 +707,9 @@ def _markdown(data: dict[str, Any]) -> list[str]:
         "stage's defaults (selection `auto`: an iterated local search, a first-improvement climb, and at a local "
         "optimum a restart from a random open workflow nearest the best one; on the noisy family `confirm=3` (a "
         "node is measured 3 times before it is expanded, so `auto` searches best-first: the highest upper 95% "
-        "bound) and a final re-measurement of the 10 leaders by successive halving; on "
+        "bound), at most 60 new candidates explored, and the rest of the budget a race of the 10 leaders on "
+        "fresh samples (3 measurements each, then the leader against its strongest challenger, ranked by all "
+        "of a finalist's measurements, the interval from the fresh ones alone); on "
         "the cost family `objective=\"penalised\"`); `random_walk` = a uniformly random valid edit at each step; "
         "`hill_climb` = steepest ascent with random restarts. An evaluation is one evaluator call (the search's "
         "final re-measurements included). Deterministic families stop a run once the optimum is scored (the "
@@ -728,8 +730,9 @@ def _markdown(data: dict[str, Any]) -> list[str]:
                 if "optimal_depth" in fam else "")
         optimum = "not recorded (its process was stopped before it wrote its results)" if fam["optimum"] is None \
             else round(fam["optimum"], 6)
+        seeds = sorted({r["seed"] for r in fam["runs"]})
         lines += [f"## {name}", "", f"{fam['description']}. Budget {fam['max_evals']} evaluations; optimum "
-                  f"{optimum}{deep}.", ""]
+                  f"{optimum}{deep}. Seeds {_seed_ranges(seeds)}.", ""]
         costs = any("median_lm_calls" in m for m in summ.values() if isinstance(m, dict))
         rows = []
         for method in [m for m in METHODS if m in summ]:
@@ -750,6 +753,17 @@ def _markdown(data: dict[str, Any]) -> list[str]:
                           f"minus true {s['median_measured_minus_true']}."]
         lines.append("")
     return lines
+
+
+def _seed_ranges(seeds: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans: list[list[int]] = []
+    for seed in seeds:
+        if spans and seed == spans[-1][1] + 1:
+            spans[-1][1] = seed
+        else:
+            spans.append([seed, seed])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
 
 
 if __name__ == "__main__":
