@@ -178,7 +178,8 @@ _CHILD = textwrap.dedent("""
         return toy_score(wf)
 
     MCTS(RuleProposer(Vocabulary(max_nodes=5)), hangs_at_the_fifth,
-         SearchSettings(max_rounds=10, convergence_rounds=None), seed=7, checkpoint=JsonCheckpoint({path!r})).run(single())
+         SearchSettings(max_rounds=10, convergence_rounds=None), seed=7,
+         checkpoint=JsonCheckpoint({path!r})).run(single())
 """)
 
 
