@@ -47,8 +47,9 @@ class StructureSearch(Stage):
     ``max_examples``, else a held-out quarter of it), ranked by all their measurements, and the winner is
     returned; the report gives its search score and its fresh re-measurement, their 95% intervals, and
     the score/LM-calls Pareto front (``pareto.png``). ``objective="penalised"`` ranks by score minus
-    ``cost_weight`` x LM calls per example. ``objective="pareto"`` also searches near the cheaper points of the front and keeps each
-    point's workflow in the report, so that :func:`pick` returns the best one within a cost limit::
+    ``cost_weight`` x LM calls per example. ``objective="pareto"`` also searches near the cheaper points
+    of the front and keeps each point's workflow in the report, so that :func:`pick` returns the best
+    one within a cost limit::
 
         best = flowopt.compile(wf, train, metric, stages=[StructureSearch(objective="pareto")])
         cheap = pick(best, max_calls=3)   # the best workflow of the front at <= 3 LM calls per example
