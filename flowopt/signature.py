@@ -8,6 +8,7 @@ never evaluates a type expression.
 
 from __future__ import annotations
 
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,12 +154,16 @@ class SignatureSpec:
         return cls(instructions, spec.inputs, spec.outputs)
 
     def to_dspy(self) -> type[dspy.Signature]:
-        spec: dict[str, tuple[Any, Any]] = {}
-        for f in self.inputs:
-            spec[f.name] = (TYPES[f.type], dspy.InputField(desc=f.desc) if f.desc else dspy.InputField())
-        for f in self.outputs:
-            spec[f.name] = (TYPES[f.type], dspy.OutputField(desc=f.desc) if f.desc else dspy.OutputField())
-        return dspy.make_signature(spec, self.instructions or None)
+        """The ``dspy.Signature`` class of this spec, built once per distinct spec (building one is a
+        pydantic model, about 10 ms; loading a workflow builds one per node). Signature classes are
+        never changed in place (``with_instructions`` and the like return new ones), so equal specs
+        share one.
+
+        Example:
+            >>> SignatureSpec.parse("q -> a").to_dspy() is SignatureSpec.parse("q -> a").to_dspy()
+            True
+        """
+        return _dspy_signature(self)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -180,6 +185,16 @@ class SignatureSpec:
             raise WorkflowError("field declared twice in the signature", node=node, field=dup,
                                 fix="give every input and output field a distinct name")
         return cls(str(data.get("instructions", "")), inputs, outputs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dspy_signature(spec: SignatureSpec) -> type[dspy.Signature]:
+    fields: dict[str, tuple[Any, Any]] = {}
+    for f in spec.inputs:
+        fields[f.name] = (TYPES[f.type], dspy.InputField(desc=f.desc) if f.desc else dspy.InputField())
+    for f in spec.outputs:
+        fields[f.name] = (TYPES[f.type], dspy.OutputField(desc=f.desc) if f.desc else dspy.OutputField())
+    return dspy.make_signature(fields, spec.instructions or None)
 
 
 def default_instructions(spec: SignatureSpec) -> str:

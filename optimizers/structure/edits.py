@@ -80,7 +80,11 @@ class Edit(abc.ABC):
         ``ir`` is ``workflow.to_dict()`` when the caller already has it (it is not modified): a
         proposer that tries many edits of one workflow serialises it once.
         """
-        data = self.apply_ir(workflow.to_dict() if ir is None else ir)
+        return self.build(workflow, self.apply_ir(workflow.to_dict() if ir is None else ir))
+
+    def build(self, workflow: Workflow, data: IR) -> Workflow:
+        """The workflow of edited IR ``data`` (from :meth:`apply_ir` on ``workflow``), validated; it keeps
+        ``workflow``'s LM clients. Raises :class:`InvalidEdit` when the result does not validate."""
         try:
             new = Workflow.from_dict(data)
         except FlowoptError as err:

@@ -123,10 +123,11 @@ class Vocabulary:
         """
         if edit.kind not in self.kinds:
             raise InvalidEdit(edit, f"kind {edit.kind!r} is not allowed here (allowed: {list(self.kinds)})")
-        new = edit.apply(workflow, ir=ir)
-        if len(new.nodes) > self.max_nodes:
-            raise InvalidEdit(edit, f"the graph would have {len(new.nodes)} nodes, over the limit {self.max_nodes}")
-        return new
+        data = edit.apply_ir(workflow.to_dict() if ir is None else ir)
+        # Counted on the data, before the workflow is built: an edit over the limit costs no validation.
+        if len(data["nodes"]) > self.max_nodes:
+            raise InvalidEdit(edit, f"the graph would have {len(data['nodes'])} nodes, over the limit {self.max_nodes}")
+        return edit.build(workflow, data)
 
 
 class RuleProposer:

@@ -43,12 +43,13 @@ class StructureSearch(Stage):
     Measurements: every candidate is run on the search examples with its own rollouts (``rollout_id``
     1..``repeats`` on the LMs, so neither DSPy's cache nor the evaluation memo answers a repeat: a
     repeat is a new sample when the LM samples, temperature > 0), and its LM calls and tokens per
-    example are counted. The ``final_top`` leaders are re-measured on fresh examples (the split's
-    examples past ``max_examples``, else a held-out quarter of it) and the best re-measured one is
-    returned; the report gives both scores, their 95% intervals, and the score/LM-calls Pareto front
-    (``pareto.png``). ``objective="penalised"`` ranks by score minus ``cost_weight`` x LM calls per
-    example. ``objective="pareto"`` also searches near the cheaper points of the front and keeps each
-    point's workflow in the report, so that :func:`pick` returns the best one within a cost limit::
+    example are counted. The ``final_top`` leaders race on fresh examples (the split's examples past
+    ``max_examples``, else a held-out quarter of it), ranked by all their measurements, and the winner is
+    returned; the report gives its search score and its fresh re-measurement, their 95% intervals, and
+    the score/LM-calls Pareto front (``pareto.png``). ``objective="penalised"`` ranks by score minus
+    ``cost_weight`` x LM calls per example. ``objective="pareto"`` also searches near the cheaper points
+    of the front and keeps each point's workflow in the report, so that :func:`pick` returns the best
+    one within a cost limit::
 
         best = flowopt.compile(wf, train, metric, stages=[StructureSearch(objective="pareto")])
         cheap = pick(best, max_calls=3)   # the best workflow of the front at <= 3 LM calls per example

@@ -186,3 +186,18 @@ def test_apply_with_a_given_ir_matches_apply_and_keys_agree(toys):
     assert edit.apply(wf, ir=ir).canonical_json() == edit.apply(wf).canonical_json()
     assert json.dumps(ir, sort_keys=True) == before  # the given IR is not modified
     assert ir_key(ir) == workflow_key(wf.canonical_json())
+
+
+def test_an_edit_over_the_size_limit_is_refused_before_the_workflow_is_built(monkeypatch):
+    from flowopt.optimizers.structure import Vocabulary
+
+    from .conftest import single
+
+    wf = single()
+
+    def no_build(data):
+        raise AssertionError("an over-limit edit must be refused on its IR data")
+
+    monkeypatch.setattr(Workflow, "from_dict", staticmethod(no_build))
+    with pytest.raises(InvalidEdit, match="over the limit 1"):
+        Vocabulary(max_nodes=1).check(AddRefine("solve"), wf)

@@ -134,7 +134,11 @@ def test_finalists_re_measured_and_the_interval_is_the_re_measurement():
     winner = result.tree.nodes[result.best_node]
     low, high = result.best_interval
     assert winner.final is not None and (low, high) == tuple(winner.final["interval"])
-    assert winner.final["n"] == 3 * 2 * 40  # survived every halving: three rounds of two measurements
+    # The race spends what the search left (a last odd call cannot make a pair); every finalist got its
+    # final_repeats fresh measurements first, the winner more.
+    assert result.evaluations >= 39
+    assert all(f["remeasured_interval"][0] < f["remeasured"] for f in result.finalists)
+    assert winner.final["n"] > 2 * 40
     assert low < winner.final["score"] < high
     # Every node carries its own 95% interval from its 40 per-example scores.
     assert all(n.half_width > 0 for n in result.tree.nodes)

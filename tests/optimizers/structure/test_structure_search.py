@@ -160,33 +160,42 @@ def test_resume_after_kill_equals_uninterrupted(toys, tmp_path, kill_at):
 
 
 _CHILD = textwrap.dedent("""
-    import sys, time
+    import pathlib, sys, time
     sys.path.insert(0, {tests!r})
     from conftest import single, toy_score
     from flowopt.optimizers.structure import MCTS, JsonCheckpoint, RuleProposer, SearchSettings, Vocabulary
 
-    def slow(wf):
-        time.sleep(0.05)
+    calls = 0
+
+    def hangs_at_the_fifth(wf):
+        # The fifth evaluation (round 4's, after round 3 was checkpointed) tells the parent and never
+        # returns, so the SIGKILL lands mid-measurement at a known point however slow the machine is.
+        global calls
+        calls += 1
+        if calls == 5:
+            pathlib.Path({ready!r}).write_text("measuring")
+            time.sleep(3600)
         return toy_score(wf)
 
-    MCTS(RuleProposer(Vocabulary(max_nodes=5)), slow, SearchSettings(max_rounds=10, convergence_rounds=None),
-         seed=7, checkpoint=JsonCheckpoint({path!r})).run(single())
+    MCTS(RuleProposer(Vocabulary(max_nodes=5)), hangs_at_the_fifth,
+         SearchSettings(max_rounds=10, convergence_rounds=None), seed=7,
+         checkpoint=JsonCheckpoint({path!r})).run(single())
 """)
 
 
 def test_resume_after_sigkill_equals_uninterrupted(toys, tmp_path):
-    path = tmp_path / "tree.json"
-    script = _CHILD.format(tests=str(Path(__file__).parent), path=str(path))
+    path, ready = tmp_path / "tree.json", tmp_path / "ready"
+    script = _CHILD.format(tests=str(Path(__file__).parent), path=str(path), ready=str(ready))
     child = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": ""})
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if path.exists() and json.loads(path.read_text())["round"] >= 3:
-            break
-        time.sleep(0.01)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
-    killed_at = json.loads(path.read_text())["round"]
-    assert 3 <= killed_at < 10, "the child must be killed mid-search"
+    try:
+        deadline = time.monotonic() + 600  # only a hung machine takes this long; the wait ends on the file
+        while not ready.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ready.exists(), f"the child never reached its fifth evaluation (exit code {child.poll()})"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert json.loads(path.read_text())["round"] == 3  # killed mid-search, during round 4's measurement
     resumed, _ = _run(toys, tmp_path, seed=7, max_rounds=10, convergence_rounds=None)
     full, _ = _run(toys, tmp_path / "full", seed=7, max_rounds=10, convergence_rounds=None)
     assert resumed.tree.to_dict() == full.tree.to_dict()
