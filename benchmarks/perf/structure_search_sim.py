@@ -260,8 +260,9 @@ class FamilyEvaluator:
 
 
 def search_settings(family: Family, selection: str = "auto") -> SearchSettings:
-    """The search as a user would run it on this family: defaults and the family's budget. Under noise,
-    leaders are measured three times before they are expanded, at most 60 new candidates are explored
+    """The stage's defaults and the family's budget, plus the settings a user picks for noise (not
+    defaults; chosen on seeds 0-119): leaders are measured three times before they are expanded
+    (``confirm=3``), at most 60 new candidates are explored
     (``max_rounds``), and the rest of the budget races the 10 leaders on fresh samples (3 measurements
     each, then the leader against its strongest challenger)."""
     extra: dict[str, Any] = {"max_rounds": 10 * family.max_evals}

@@ -46,8 +46,9 @@ class DynamicBatcher(Generic[T, R]):
     gets the exception. The wait is a quiet window: each arrival extends it by ``wait_ms``, up to
     ``max_wait_factor * wait_ms`` after the first. Callers freed by one batch come back spread out by
     their own Python work (parsing, scoring, formatting the next prompt) under the GIL; a fixed window
-    cut them into several small batches, each paying for every decoding step (measured with 16
-    threads: batches of 16, 5, 13, 10, 10, 11, 6, 14, 2, 9 instead of 16s).
+    cut them into several small batches, each paying for every decoding step (16 threads, a tiny model,
+    48 ChainOfThought calls: 10-12 batches of mostly 7-14 with the fixed window; 6 batches of 16 in one
+    run with the quiet window, 9 of 1-16 in another on a loaded machine).
 
     Example:
         >>> batcher = DynamicBatcher(lambda group, xs: [x * 2 for x in xs], wait_ms=1)
