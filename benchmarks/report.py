@@ -21,14 +21,24 @@ def _cell(r: dict[str, Any] | None) -> str:
     return "—" if r is None else f"{r['score']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]"
 
 
+def _change(own: dict[str, Any] | None) -> str:
+    if own is None:
+        return "—"
+    change = own["change"]
+    return f"{change['mean']:+.3f} [{change['ci'][0]:+.3f}, {change['ci'][1]:+.3f}]"
+
+
 def score_table(results: dict[str, Any]) -> str:
-    """One row per stage: status, test score with its 95% interval (reference metric, then the strict
-    ones), failed examples (the program raised, e.g. an unparseable answer: scored 0), compile LM calls
-    (cumulative), wall and CPU seconds; then the paired change of the last row against the baseline."""
+    """One row per stage: status, test score of the best program so far with its 95% interval (reference
+    metric, then the strict ones), failed examples (the program raised, e.g. an unparseable answer:
+    scored 0), whether the stage's output was kept, the stage's own output's test score (kept or not)
+    and its paired change against the program the stage started from, compile LM calls (cumulative),
+    wall and CPU seconds; then the paired change of the last row against the baseline."""
     split = results["splits"]
     strict = split.get("strict_metrics", [])
     head = ["stage", "status", f"test {split['metric']} [95% CI]", *(f"{m} (strict)" for m in strict),
-            "failed examples", "kept", "LM calls (cumulative)", "wall s", "CPU s"]
+            "failed examples", "kept", "stage's own output [95% CI]", "own vs its input (paired)",
+            "LM calls (cumulative)", "wall s", "CPU s"]
     lines = [f"Report split: {results['protocol']} {split['report_split']} ({split['test']} examples); "
              f"reference metric `{split['metric']}`.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -38,7 +48,8 @@ def score_table(results: dict[str, Any]) -> str:
         cells = [row["name"], row["status"] if not row.get("error") else f"{row['status']}: {row['error'][:80]}",
                  _cell(test), *(_cell((test or {}).get("strict", {}).get(m)) for m in strict),
                  f"{test['errors']}/{test['n']}" if test else "—", "yes" if row.get("kept") else "no",
-                 str(calls), f"{row.get('wall_s', 0):.0f}", f"{row.get('cpu_s', 0):.0f}"]
+                 _cell(row.get("own")), _change(row.get("own")), str(calls),
+                 f"{row.get('wall_s', 0):.0f}", f"{row.get('cpu_s', 0):.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     change = results["test"]["change"]
     lines += ["", f"Change of the last row against the baseline (paired, same {change['n']} examples): "
@@ -58,13 +69,15 @@ def markdown(results: dict[str, Any]) -> str:
         f"CPU {results.get('cpu_s', 0):.0f} s.", "",
         score_table(results),
         "A stage's output is kept only if it beats the program before it on the dev split "
-        "(validation scores in results.json); each row's test score is the best program so far.", "",
+        "(validation scores in results.json); each row's test score is the best program so far. A stage's "
+        "own output is scored too, kept or not, so every layer's contribution shows: its change is paired "
+        "against the program the stage started from.", "",
     ])
 
 
 def plot_scores(results: dict[str, Any], path: Path) -> None:
-    """Test score per stage (failed stages drawn red and hatched, at the score of the program kept) and
-    test score against cumulative compile LM calls."""
+    """Test score per stage (failed stages drawn red and hatched, at the score of the program kept; a
+    rejected stage's own output as a red cross) and test score against cumulative compile LM calls."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -89,6 +102,11 @@ def plot_scores(results: dict[str, Any], path: Path) -> None:
     left.set_ylabel(f"test {metric}")
     left.set_title("score per stage (95% CI)")
     left.set_ylim(0, 1)
+    rejected = [(i, r["own"]["score"]) for i, r in enumerate(rows) if r.get("own") and not r.get("kept")]
+    if rejected:
+        left.scatter([i for i, _ in rejected], [y for _, y in rejected], marker="x", color="#cc0000", zorder=3,
+                     label="rejected stage's own output")
+        left.legend(fontsize=8, loc="upper left")
     right.plot(cost, scores, marker="o")
     for name, x, y in zip(names, cost, scores):
         right.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)

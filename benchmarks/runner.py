@@ -2,13 +2,14 @@
 
 Every setting is checked first (:func:`~flowopt.benchmarks.settings.plan_bench`). Then the baseline and,
 after each stage, the best program so far are scored on the report split with the protocol's reference
-metric and its strict metrics, and ``--out`` is rewritten: ``results.json`` (configuration, versions,
-machine, one row per stage with validation and test scores, 95% intervals, failed examples, LM calls,
-tokens, wall and CPU seconds), ``results.md`` (tables), ``scores.png`` (test score per stage; score
-against cumulative LM calls) and ``compiled.json``. A stage that raises becomes a row with its error
-(and the run goes on from the best program so far), never a crash. Each stage compiles in its own
-``run/NN-name-<input program>`` folder, so ``--resume`` skips finished stages, re-tries a failed one and reuses every
-scored evaluation.
+metric and its strict metrics; so is each stage's own output when the dev split rejected it (what the
+layer gives by itself, paired against the program it started from). ``--out`` is rewritten:
+``results.json`` (configuration, versions, machine, one row per stage with validation and test scores,
+95% intervals, failed examples, LM calls, tokens, wall and CPU seconds), ``results.md`` (tables),
+``scores.png`` (test score per stage; score against cumulative LM calls) and ``compiled.json``. A stage
+that raises becomes a row with its error (and the run goes on from the best program so far), never a
+crash. Each stage compiles in its own ``run/NN-name-<input program>`` folder, so ``--resume`` skips
+finished stages, re-tries a failed one and reuses every scored evaluation.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import dspy
 
+from flowopt.compiler import saved_output
 from flowopt.compiler.evaluate import program_key
 from flowopt.errors import ConfigError
 from flowopt.io import atomic_write_json, atomic_write_text
@@ -108,6 +110,9 @@ class _Run:
             for index, (name, stage) in enumerate(zip(plan.stage_names, plan.stages), start=1):
                 t0, c0 = time.perf_counter(), time.process_time()
                 row: dict[str, Any] = {"name": name}
+                stage_dir, start = self._stage_dir(index, name, best), best
+                start_test = self.results["stages"][-1]["test"]
+                output = None
                 budget = Budget(max_lm_calls=None if args.max_lm_calls is None else args.max_lm_calls - calls_used,
                                 max_cost_usd=args.max_cost_usd, max_wall_s=args.max_wall_s)
                 try:
@@ -115,7 +120,7 @@ class _Run:
                         raise ConfigError("the --max-lm-calls budget is spent", fix="raise --max-lm-calls")
                     compiled = compile(best, plan.trainset, plan.proto.metric_fn(), valset=plan.valset,
                                        stages=[stage], budget=budget, seed=args.seed,
-                                       run_dir=self._stage_dir(index, name, best), resume=args.resume,
+                                       run_dir=stage_dir, resume=args.resume,
                                        num_threads=args.threads, quiet=args.quiet)
                 except Exception as err:  # a failed stage is a row: the run goes on from the best so far
                     logger.error("stage %s failed: %s: %s", name, type(err).__name__, err)
@@ -129,8 +134,14 @@ class _Run:
                                error=None if stage_row.stop_reason.startswith(("done", "budget"))
                                else stage_row.stop_reason,
                                kept=stage_row.kept, val=_val(compiled.report), compile=stage_row.to_dict())
+                    # The stage's own output, kept or not: what this layer contributes by itself.
+                    output = compiled if stage_row.kept else saved_output(stage_dir, 0, name, start)
                     best = compiled
                 row["test"] = self.scorer.score(best, plan.testset, f"after {name}")
+                if output is not None:
+                    own = self.scorer.score(output, plan.testset, f"{name}'s own output")
+                    row["own"] = {k: own[k] for k in ("score", "ci", "n", "errors")}
+                    row["own"]["change"] = paired_change(start_test, own)
                 row.update(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
                 self._add(row)
             if hasattr(best, "save"):

@@ -5,7 +5,7 @@ this package never imports ``flowopt.optimizers``.
 """
 
 from flowopt.compiler.budget import Budget, BudgetStop, BudgetTracker, Usage
-from flowopt.compiler.checkpoint import clone_program, program_from_data, program_to_data
+from flowopt.compiler.checkpoint import clone_program, program_from_data, program_to_data, saved_output
 from flowopt.compiler.compile import compile
 from flowopt.compiler.context import StageContext
 from flowopt.compiler.evaluate import EvalResult, Evaluator, confidence_interval
@@ -32,5 +32,6 @@ __all__ = [
     "program_to_data",
     "register_stage",
     "resolve_stages",
+    "saved_output",
     "stage_names",
 ]

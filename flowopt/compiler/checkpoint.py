@@ -11,7 +11,7 @@ Run folder layout::
     run_dir/
       compile.json           what is being compiled (fingerprint, stage list) and the baseline row
       stages/00-demos/       the stage's own folder (its checkpoints; search.db for the search)
-        output.json          written when the stage finished: its program and report row
+        output.json          written when the stage finished: its program (kept or not) and report row
       report.json            the report so far
       program.json           the best program (workflow JSON with meta["report"], or module state)
 """
@@ -129,6 +129,23 @@ def _is_json(value: Any) -> bool:
         return True
     except (TypeError, ValueError):
         return False
+
+
+def saved_output(run_dir: str | Path, index: int, name: str, base: Any) -> Any | None:
+    """The program stage ``index`` (``name``) of the run in ``run_dir`` returned, kept or not, rebuilt with
+    ``base``'s LM clients; ``None`` if the stage has not finished or returned no program.
+
+    ``compile`` returns only the best program; this is how a caller scores what a rejected stage made
+    (``flowopt bench`` reports every stage's own test score).
+
+    Example:
+        >>> saved_output("runs/demo", 0, "search", program)  # doctest: +SKIP
+    """
+    path = Path(run_dir) / "stages" / f"{index:02d}-{name}" / "output.json"
+    if not path.exists():
+        return None
+    data = read_sealed(path)
+    return None if data.get("program") is None else program_from_data(data["program"], base)
 
 
 class RunFolder:

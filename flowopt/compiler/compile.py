@@ -169,7 +169,8 @@ def compile(
                     if row.kept and out is not None:
                         best, best_score = out, row.score if row.score is not None else best_score
                     if folder is not None and not row.stop_reason.startswith("budget"):
-                        folder.save_finished(index, name, out if row.kept else None, row.to_dict())
+                        # Saved kept or not: a rejected output can still be scored on its own (saved_output).
+                        folder.save_finished(index, name, out, row.to_dict())
                 report.stages.append(row)
                 _finish_report(report, tracker)
                 if folder is not None:

@@ -240,3 +240,44 @@ def test_lm_batch_sets_the_local_models_batch_size(tmp_path):
         assert local is not None and local._batcher.max_batch_size == 48
     finally:
         local.close()
+
+
+TEST_QUESTIONS = {ex.question for ex in load_split("gsm8k-aflow", "test")}
+
+
+def test_a_rejected_stage_still_reports_its_own_test_score(tmp_path, monkeypatch):
+    """Demos help on the test split only: the dev split rejects the stage, yet its contribution shows."""
+
+    def answer(request):
+        if "answer" not in request.output_fields:
+            return {f: "x" for f in request.output_fields}
+        question = request.inputs["question"]
+        helped = request.demos and question in TEST_QUESTIONS
+        return {"reasoning": "Work it out.", "answer": GOLD[question] if helped else "-1"}
+
+    lm = scripted_lm(answer, cache=False)
+    monkeypatch.setattr(runner, "make_lm", lambda model, **kwargs: (lm, None))
+    out = tmp_path / "run"
+    assert bench(out, "--stages", "labeled") == 0
+    results = json.loads((out / "results.json").read_text())
+    baseline, labeled = results["stages"]
+    assert "own" not in baseline
+    assert labeled["kept"] is False and labeled["val"]["score"] == labeled["val"]["before"] == 0.0
+    assert labeled["test"]["score"] == 0.0  # the best program so far is still the baseline
+    assert labeled["own"]["score"] == 1.0 and labeled["own"]["n"] == 8
+    assert labeled["own"]["change"] == {"mean": 1.0, "ci": [1.0, 1.0], "n": 8}
+    md = (out / "results.md").read_text()
+    assert "| labeled | ok | 0.000 [" in md and "| no | 1.000 [" in md and "| +1.000 [+1.000, +1.000] |" in md
+    calls = lm.engine.calls
+    assert bench(out, "--stages", "labeled", "--resume") == 0  # the rejected output is reloaded, not re-run
+    assert lm.engine.calls == calls
+    again = json.loads((out / "results.json").read_text())
+    assert again["stages"][1]["own"] == labeled["own"]
+
+
+def test_a_kept_stage_reports_its_test_score_as_its_own(tmp_path, scripted):
+    assert bench(tmp_path / "run") == 0
+    demos = json.loads((tmp_path / "run" / "results.json").read_text())["stages"][1]
+    assert demos["kept"] is True
+    assert demos["own"]["score"] == demos["test"]["score"] == 1.0
+    assert demos["own"]["change"]["mean"] == 1.0

@@ -155,3 +155,18 @@ def test_a_stage_that_scores_its_start_gives_the_baseline(leave_scores):
     assert (baseline.score, baseline.lm_calls) == ((0.25, 0) if leave_scores else (0.0, 8))
     stage = report.stage("scores-start")
     assert stage.kept and stage.change == pytest.approx(1.0 - baseline.score) and report.best_score == 1.0
+
+
+def test_a_rejected_stages_output_is_saved_and_can_be_reloaded(tmp_path):
+    """compile returns the best program; the run folder keeps what every stage made, kept or not."""
+    from flowopt.compiler import saved_output
+
+    start = dspy.Predict("question -> answer")
+    with dspy.context(lm=demo_task_lm()):
+        out = flowopt.compile(start, examples(6), exact, valset=examples(3, 50), stages=[Shout(suffix="?")],
+                              run_dir=tmp_path / "run", quiet=True)
+    assert not out.report.stages[1].kept
+    assert "?" not in out.signature.instructions  # the returned program is the input, not the stage's
+    rejected = saved_output(tmp_path / "run", 0, "test-shout", start)
+    assert rejected is not None and rejected.signature.instructions.endswith("?")
+    assert saved_output(tmp_path / "run", 1, "test-shout", start) is None  # no such stage
