@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -39,8 +39,10 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
               learning_rate: float = 2e-4, batch_size: int = 8, micro_batch_size: int = 8,
               lr_schedule: str = "linear", warmup_steps: int = 0, weight_decay: float = 0.0,
               max_grad_norm: float | None = 1.0, seed: int = 0, gradient_checkpointing: bool = False,
-              world: World = SINGLE) -> list[float]:
+              world: World = SINGLE, on_step: Callable[[float], None] | None = None) -> list[float]:
     """Train the policy's active adapter on ``(prompt_ids, completion_ids)`` pairs; returns the loss per step.
+
+    ``on_step(loss)`` is called after every optimizer step (the stage's progress bar).
 
     The loss is the mean negative log-likelihood over the batch's completion tokens (prompt and padding
     tokens masked out); micro-batches accumulate into one optimizer step per ``batch_size`` pairs.
@@ -80,6 +82,8 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
                     optimizer.step()
                     scheduler.step()
                     losses.append(step_loss)
+                    if on_step is not None:
+                        on_step(step_loss)
         finally:
             optimizer.zero_grad(set_to_none=True)
         policy.weights_changed()
@@ -181,11 +185,23 @@ class BootstrapFinetune(Stage):
             return program
         policy.start_adapter(adapter_name(self.name, ctx), seed=ctx.seed)
         t0 = time.monotonic()
-        losses = sft_train(policy, data, epochs=self.epochs, learning_rate=self.learning_rate,
-                           batch_size=self.batch_size, micro_batch_size=self.micro_batch_size,
-                           lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps,
-                           weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=ctx.seed,
-                           gradient_checkpointing=self.gradient_checkpointing, world=world)
+        steps = self.epochs * ((len(data) + self.batch_size - 1) // self.batch_size)
+        progress = ctx.progress(total=steps, desc="finetune") if hasattr(ctx, "progress") else None
+
+        def on_step(loss: float) -> None:
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{loss:.4f}")
+
+        try:
+            losses = sft_train(policy, data, epochs=self.epochs, learning_rate=self.learning_rate,
+                               batch_size=self.batch_size, micro_batch_size=self.micro_batch_size,
+                               lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps,
+                               weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=ctx.seed,
+                               gradient_checkpointing=self.gradient_checkpointing, world=world, on_step=on_step)
+        finally:
+            if progress is not None:
+                progress.close()
         ctx.logger.info("finetune: %d pairs, %d steps, loss %.4f -> %.4f", len(data), len(losses), losses[0],
                         losses[-1])
         program, saved = finish(program, policy, ctx, self.name, world)

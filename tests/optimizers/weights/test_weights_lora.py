@@ -61,8 +61,10 @@ def test_sft_leaves_base_weights_unchanged_and_lowers_the_loss(tiny_local):
     base = _base_weights(policy)
     prompt = policy.render([{"role": "user", "content": "Cue: red Word:"}])
     pairs = [(prompt, policy.completion_ids("cat"))] * 4
-    losses = sft_train(policy, pairs, epochs=10, learning_rate=1e-2, batch_size=4)
+    reported: list[float] = []
+    losses = sft_train(policy, pairs, epochs=10, learning_rate=1e-2, batch_size=4, on_step=reported.append)
     assert losses[-1] < losses[0] / 2
+    assert reported == losses and len(losses) == 10  # one progress update per optimizer step
     after = _base_weights(policy)
     assert all(torch.equal(base[n], after[n]) for n in base)
 
