@@ -113,14 +113,18 @@ class RandomSearch(Stage):
         sampler: ``"random"`` or ``"tpe"``.
         pruner: ``"confidence"`` (paired test against the leader: McNemar's exact test for 0/1
             scores, a paired normal bound otherwise; prune when worse at one-sided ``1 - alpha``),
+            ``"anytime"`` (a betting test valid at every look, so it looks after every example:
+            a challenger at least as good as the leader on the whole valset is pruned with
+            probability at most ``alpha`` over all looks; scores in [0, 1]),
             ``"halving"`` (keep the best ``1/reduction_factor`` of the challengers), ``"median"``
             or ``"none"``. The incumbent is never pruned.
-        alpha: the confidence pruner's one-sided error level per decision.
+        alpha: the confidence pruner's one-sided error level per decision (``"anytime"``: over all
+            of a challenger's looks against one leader).
         reduction_factor: successive halving's eta.
-        minibatch_size: valset examples in the first rung (``confidence``: at least 20; the other
-            rules: at least ``max(20, 25% of the valset)``); then ``confidence`` looks again every 5%
-            of the valset (a trailing candidate stops within a few examples of falling clearly
-            behind), the other rules at rungs growing 2x.
+        minibatch_size: valset examples in the first rung (``confidence``, ``anytime``: at least 20;
+            the other rules: at least ``max(20, 25% of the valset)``); then ``confidence`` looks again
+            every 5% of the valset (a trailing candidate stops within a few examples of falling
+            clearly behind), ``anytime`` after every example, the other rules at rungs growing 2x.
         parallel: candidates raced at once (default: all planned ones for ``"random"``, 4 for
             ``"tpe"``; extras go 4 at a time).
         finalists: how many fully scored candidates to re-score against the winner's curse (0: off).
@@ -208,6 +212,8 @@ class RandomSearch(Stage):
             return [n]
         if self.pruner == "confidence":
             return looks(n, first_look(n, self.minibatch_size))
+        if self.pruner == "anytime":  # valid at every look: look after every example (next_look fills threads)
+            return looks(n, first_look(n, self.minibatch_size), every=1)
         return rungs(n, first_rung(n, self.minibatch_size), 2.0)
 
     def scores_its_start(self) -> bool:

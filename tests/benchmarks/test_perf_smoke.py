@@ -49,7 +49,8 @@ def _compile_vs_dspy(r: dict[str, Any]) -> None:
 
 
 def _search_generalisation(r: dict[str, Any]) -> None:
-    methods = ["bfrs8", "flowopt8", "flowopt8_extra0", "flowopt_at_bfrs8_calls", "mipro_stage", "gepa_stage"]
+    methods = ["bfrs8", "flowopt8", "flowopt8_extra0", "flowopt8_extra0_anytime", "flowopt_at_bfrs8_calls",
+               "mipro_stage", "gepa_stage"]
     assert list(r["summary"]) == methods and r["seeds"] == [0, 1]
     assert all(0.0 <= e["test_expected"] <= 1.0 and e["lm_calls"] > 0 for e in r["summary"].values())
     assert r["summary"]["bfrs8"]["calls_ratio"] == 1.0

@@ -103,7 +103,7 @@ def test_tpe_sampler_runs_in_waves_and_is_deterministic():
     assert a.report.stage("search").candidates_tried == 8
 
 
-@pytest.mark.parametrize("pruner", ["halving", "confidence"])
+@pytest.mark.parametrize("pruner", ["halving", "confidence", "anytime"])
 def test_pruning_stops_trailing_candidates_and_saves_calls(pruner):
     pruned = category_lm(cache=False)
     full = category_lm(cache=False)
@@ -114,12 +114,14 @@ def test_pruning_stops_trailing_candidates_and_saves_calls(pruner):
                                      extra=0), program=start.deepcopy(), valset=BIG_VAL)
     b = _search(full, RandomSearch(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3, pruner="none",
                                    extra=0), program=start.deepcopy(), valset=BIG_VAL)
-    # Halving keeps a third of the challengers; the confidence rule prunes only the 0-scoring zero-shot
-    # candidate: the others tie at 2/3 and a tie never prunes.
+    # Halving keeps a third of the challengers; the confidence and anytime rules prune only the 0-scoring
+    # zero-shot candidate: the others tie at 2/3 and a tie never prunes.
     info = a.report.stage("search").info
     assert info["pruned"] >= (3 if pruner == "halving" else 1)
-    if pruner == "confidence":
+    if pruner != "halving":
         assert [c["kind"] for c in info["candidates"] if "pruned" in c] == ["zero-shot"]
+    if pruner == "anytime":
+        assert all("at 5% over every look" in c["pruned"] for c in info["candidates"] if "pruned" in c)
     assert b.report.stage("search").info["pruned"] == 0
     assert pruned.engine.calls < full.engine.calls
     assert a.report.best_score > a.report.baseline_score and b.report.best_score > b.report.baseline_score
