@@ -203,3 +203,15 @@ def test_setup_logging_in_a_script_process_quiets_libraries_and_shows_progress(t
              "print(logging.getLogger().level, logging.getLogger('dspy').level, logging.getLogger('litellm').level)")
     levels = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120).stdout.split()
     assert levels == [str(logging.INFO), str(logging.ERROR), str(logging.ERROR)]
+
+
+def test_the_commit_is_the_one_at_the_start_of_the_run(tmp_path, monkeypatch):
+    """A run that writes its own outputs into the checkout must not report it 'with uncommitted changes'."""
+    from flowopt.benchmarks.perf.harness import machine
+
+    monkeypatch.setattr(machine, "git_commit", lambda: {"commit": "a" * 40, "dirty": False})
+    run = start_run(_parser(), ["--smoke", "--out", str(tmp_path / "toy")])
+    monkeypatch.setattr(machine, "git_commit", lambda: {"commit": "a" * 40, "dirty": True})  # outputs written
+    payload = run.finish("Toy", {}, [])
+    assert payload["machine"]["git"] == {"commit": "a" * 40, "dirty": False}
+    assert "uncommitted" not in (tmp_path / "toy.md").read_text()

@@ -25,6 +25,7 @@ from typing import Any
 from flowopt.errors import DataError
 from flowopt.io import atomic_write_json, atomic_write_text
 
+from . import machine as _machine
 from .machine import describe_machine, load_average, machine_record
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ class PerfRun:
     load_before: list[float] = field(default_factory=load_average)
     started_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     began: float = field(default_factory=time.perf_counter)
+    # Recorded at the start: the commit (and whether it was clean) the run measured, before the run's own
+    # outputs (an extra file written early, or a results file being replaced) make the checkout dirty.
+    git: dict[str, Any] | None = field(default_factory=lambda: _machine.git_commit())
 
     def sibling(self, suffix: str) -> Path:
         """Where an extra output goes, e.g. ``run.sibling("_reward_curve.png")``."""
@@ -113,7 +117,7 @@ class PerfRun:
     def finish(self, title: str, results: dict[str, Any], body: Sequence[str], *,
                goals: Sequence[Goal] = ()) -> dict[str, Any]:
         """Write ``out.json`` and ``out.md`` (atomically, JSON first) and log the markdown; returns the JSON."""
-        machine = machine_record()
+        machine = {**machine_record(), "git": self.git}  # torch's threads and GPU are known only by now
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()}
         payload = {"schema": SCHEMA, "script": self.script, "title": title, "command": self.command,
                    "settings": settings, "started_at": self.started_at,
