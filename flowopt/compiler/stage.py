@@ -90,6 +90,8 @@ def _jsonable(value: Any) -> Any:
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # e.g. LoraSettings: every field counts
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     model = getattr(value, "model", None)  # an LM: its name is its identity here
     if isinstance(model, str):
         return {"lm": model}

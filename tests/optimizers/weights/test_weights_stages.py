@@ -234,3 +234,11 @@ def test_compile_runs_finetune_then_grpo_and_saves_a_loadable_program(tiny_saved
     with dspy.context(adapter=AutoAdapter()):
         mean = sum(score(ex) for ex in valset) / len(valset)
     assert mean == pytest.approx(best.report.best_score)
+
+
+def test_lora_settings_are_recorded_field_by_field():
+    """The report and the resume check see the LoRA's rank, not only its class name."""
+    small, large = BootstrapFinetune(lora=LoraSettings(r=4)), BootstrapFinetune(lora=LoraSettings(r=16))
+    assert small.settings()["lora"]["r"] == 4 and large.settings()["lora"]["r"] == 16
+    assert small.settings() != large.settings()  # resuming with another rank is refused, not silently reused
+    assert GRPO(lora=LoraSettings(alpha=8)).settings()["lora"]["alpha"] == 8
