@@ -34,10 +34,14 @@ def program_lms(program: dspy.Module) -> list[Any]:
 
 def find_local(program: dspy.Module) -> tuple[Any, str | None]:
     """The ``LocalLM`` behind the program's predictors and the adapter they run with, or ``(None, None)``
-    when the program runs on hosted LMs only."""
+    when the program runs on hosted LMs only. A program whose predictors name no local LM runs on the
+    configured one (``dspy.configure(lm=...)`` / ``dspy.context``), so that one is looked at last: the
+    stage then trains the very model (and its settings: token limit, batch size) the program runs on,
+    instead of loading a second copy with default settings."""
     from flowopt.lm import local_of
 
-    for lm in program_lms(program):
+    configured = [dspy.settings.lm] if dspy.settings.lm is not None else []
+    for lm in [*program_lms(program), *configured]:
         local = local_of(lm)
         if local is not None:
             adapter = getattr(getattr(lm, "engine", None), "adapter", None)  # an AdapterLM names its own

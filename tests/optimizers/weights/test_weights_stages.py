@@ -242,3 +242,18 @@ def test_lora_settings_are_recorded_field_by_field():
     assert small.settings()["lora"]["r"] == 4 and large.settings()["lora"]["r"] == 16
     assert small.settings() != large.settings()  # resuming with another rank is refused, not silently reused
     assert GRPO(lora=LoraSettings(alpha=8)).settings()["lora"]["alpha"] == 8
+
+
+def test_the_student_is_the_configured_local_model_when_predictors_name_none(tiny_local):
+    """A program run under dspy.context(lm=local) trains that LocalLM (its token limit and batch size
+    included), not a second copy of the embedded model with default settings."""
+    from flowopt.optimizers.weights.common import resolve_policy
+
+    program = dspy.Predict("question -> answer")  # no LM of its own
+    with dspy.context(lm=tiny_local.lm):
+        policy, start = resolve_policy(None, program, LoraSettings(r=4))
+    assert policy.local is tiny_local and start is None
+    hosted = dspy.Predict("question -> answer")
+    hosted.lm = dspy.LM("openai/some-hosted-model")
+    with dspy.context(lm=tiny_local.lm):  # a predictor's own LM comes first, the configured one last
+        assert resolve_policy(None, hosted, LoraSettings(r=4))[0].local is tiny_local
