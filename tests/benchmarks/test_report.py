@@ -18,7 +18,9 @@ def _results(rows):
 def test_lm_calls_are_cumulative():
     """The issue's case: stages that made 16, 32 and 32 calls read 16, 48, 80."""
     table = score_table(_results([_row("baseline", 16), _row("demos", 32), _row("search", 32)]))
-    cumulative = [line.split(" | ")[5] for line in table.splitlines() if line.startswith("| ") and "stage" not in line]
+    lines = [line.strip("| ").split(" | ") for line in table.splitlines() if line.startswith("| ")]
+    column = lines[0].index("LM calls (cumulative)")
+    cumulative = [cells[column] for cells in lines[1:]]
     assert cumulative == ["16", "48", "80"]
 
 
