@@ -21,6 +21,13 @@ def _cell(r: dict[str, Any] | None) -> str:
     return "—" if r is None else f"{r['score']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]"
 
 
+def _status(row: dict[str, Any]) -> str:
+    if row.get("error"):
+        return f"{row['status']}: {row['error'][:80]}"
+    reason = row.get("stop_reason")
+    return f"{row['status']} ({reason[:60]})" if reason and reason != "done" else row["status"]
+
+
 def _change(own: dict[str, Any] | None) -> str:
     if own is None:
         return "—"
@@ -45,7 +52,7 @@ def score_table(results: dict[str, Any]) -> str:
     cumulative = accumulate(row.get("lm_calls", 0) for row in results["stages"])
     for row, calls in zip(results["stages"], cumulative):
         test = row.get("test")
-        cells = [row["name"], row["status"] if not row.get("error") else f"{row['status']}: {row['error'][:80]}",
+        cells = [row["name"], _status(row),
                  _cell(test), *(_cell((test or {}).get("strict", {}).get(m)) for m in strict),
                  f"{test['errors']}/{test['n']}" if test else "—", "yes" if row.get("kept") else "no",
                  _cell(row.get("own")), _change(row.get("own")), str(calls),

@@ -131,8 +131,10 @@ class _Run:
                     row["tokens"] = sum(s.tokens for s in compiled.report.stages)
                     calls_used += row["lm_calls"]
                     row.update(status="ok" if not stage_row.stop_reason.startswith("error") else "failed",
-                               error=None if stage_row.stop_reason.startswith(("done", "budget"))
-                               else stage_row.stop_reason,
+                               # GRPO's normal end is "steps", a finetune's may be "no teacher trace passed":
+                               # shown beside the status; only an error is an error
+                               error=stage_row.stop_reason if stage_row.stop_reason.startswith("error") else None,
+                               stop_reason=stage_row.stop_reason,
                                kept=stage_row.kept, val=_val(compiled.report), compile=stage_row.to_dict())
                     # The stage's own output, kept or not: what this layer contributes by itself.
                     output = compiled if stage_row.kept else saved_output(stage_dir, 0, name, start)

@@ -29,3 +29,8 @@ def test_a_failed_stage_is_in_the_table_and_the_plot(tmp_path):
     assert "| demos | failed: LMError: boom |" in score_table(results)
     plot_scores(results, tmp_path / "scores.png")
     assert (tmp_path / "scores.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_normal_stop_reason_is_shown_beside_the_status_not_as_an_error():
+    row = {**_row("grpo", 4), "stop_reason": "steps"}
+    assert "| grpo | ok (steps) |" in score_table(_results([_row("baseline", 0), row]))
