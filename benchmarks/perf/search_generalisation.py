@@ -535,10 +535,9 @@ def _survivors_note(same: list[dict[str, Any]], rows: list[dict[str, Any]]) -> s
     from flowopt.optimizers.search.pruning import first_look
 
     bfrs = statistics.fmean(r["bfrs8"]["lm_calls"] for r in rows)
-    n_val = max(int(m) for r in same for line in r["search"]["candidates"] for m in re.findall(r" on (\d+)", line))
+    n_val = max(r["search"]["incumbent_scored"] for r in same)  # the incumbent is never pruned: the whole valset
     first = first_look(n_val)
-    survivors = [sum(1 for line in r["search"]["candidates"] if "pruned" not in line and "incumbent" not in line)
-                 for r in same]
+    survivors = [max(0, r["search"]["fully_scored"] - 1) for r in same]  # fully scored challengers
     # The pick's whole-valset scores are paid for either way (compile() checks the stage's program on the valset).
     saved = [max(0, k - (r["search"].get("best_kind") != "incumbent")) * (n_val - first)
              for r, k in zip(same, survivors)]

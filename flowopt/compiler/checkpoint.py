@@ -141,11 +141,19 @@ def saved_output(run_dir: str | Path, index: int, name: str, base: Any) -> Any |
     Example:
         >>> saved_output("runs/demo", 0, "search", program)  # doctest: +SKIP
     """
-    path = Path(run_dir) / "stages" / f"{index:02d}-{name}" / "output.json"
+    path = _output_path(Path(run_dir), index, name)
     if not path.exists():
         return None
     data = read_sealed(path)
     return None if data.get("program") is None else program_from_data(data["program"], base)
+
+
+def _stage_path(run_dir: Path, index: int, name: str) -> Path:
+    return run_dir / "stages" / f"{index:02d}-{name}"
+
+
+def _output_path(run_dir: Path, index: int, name: str) -> Path:
+    return _stage_path(run_dir, index, name) / "output.json"
 
 
 class RunFolder:
@@ -176,7 +184,7 @@ class RunFolder:
             self.manifest = {"schema": RUN_SCHEMA, "fingerprint": fingerprint}
 
     def stage_dir(self, index: int, name: str) -> Path:
-        path = self.path / "stages" / f"{index:02d}-{name}"
+        path = _stage_path(self.path, index, name)
         path.mkdir(parents=True, exist_ok=True)
         return path
 
@@ -195,7 +203,7 @@ class RunFolder:
     def finished(self, index: int, name: str) -> dict[str, Any] | None:
         if not self.resume:
             return None
-        path = self.path / "stages" / f"{index:02d}-{name}" / "output.json"
+        path = _output_path(self.path, index, name)
         if not path.exists():
             return None
         return read_sealed(path)
@@ -204,7 +212,8 @@ class RunFolder:
         if not self.writer:
             return
         data = {"row": row, "program": None if program is None else program_to_data(program)}
-        atomic_write_json(self.stage_dir(index, name) / "output.json", seal(data))
+        self.stage_dir(index, name)  # made if the stage wrote nothing of its own
+        atomic_write_json(_output_path(self.path, index, name), seal(data))
 
     def save_report(self, report: dict[str, Any]) -> None:
         if not self.writer:

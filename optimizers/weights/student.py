@@ -33,11 +33,11 @@ def program_lms(program: dspy.Module) -> list[Any]:
 
 
 def find_local(program: dspy.Module) -> tuple[Any, str | None]:
-    """The ``LocalLM`` behind the program's predictors and the adapter they run with, or ``(None, None)``
-    when the program runs on hosted LMs only. A program whose predictors name no local LM runs on the
-    configured one (``dspy.configure(lm=...)`` / ``dspy.context``), so that one is looked at last: the
-    stage then trains the very model (and its settings: token limit, batch size) the program runs on,
-    instead of loading a second copy with default settings."""
+    """The ``LocalLM`` behind the program's predictors and the adapter they run with; failing that, the
+    configured LM (``dspy.configure(lm=...)`` / ``dspy.context``) when it is local, since predictors
+    that name no LM run on it: the stage then trains the very model (and its settings: token limit,
+    batch size) the program runs on, instead of loading a second copy with default settings.
+    ``(None, None)`` when neither is local."""
     from flowopt.lm import local_of
 
     configured = [dspy.settings.lm] if dspy.settings.lm is not None else []

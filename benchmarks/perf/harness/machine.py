@@ -79,8 +79,12 @@ def torch_record() -> dict[str, Any]:
     return record
 
 
-def machine_record() -> dict[str, Any]:
-    """What the machine was: the fields every results file carries under ``machine``.
+_READ_NOW: Any = object()
+
+
+def machine_record(git: Any = _READ_NOW) -> dict[str, Any]:
+    """What the machine was: the fields every results file carries under ``machine``; ``git``: the
+    checkout's state as read earlier (:func:`git_commit`), else it is read now.
 
     Example:
         >>> record = machine_record()
@@ -90,7 +94,7 @@ def machine_record() -> dict[str, Any]:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cpus_usable": usable,
             "memory_gib": memory_gib(), "platform": platform.platform(), "python": platform.python_version(),
-            "versions": package_versions(), "git": git_commit(), **torch_record()}
+            "versions": package_versions(), "git": git_commit() if git is _READ_NOW else git, **torch_record()}
 
 
 def describe_machine(record: dict[str, Any]) -> str:

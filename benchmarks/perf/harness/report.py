@@ -117,7 +117,7 @@ class PerfRun:
     def finish(self, title: str, results: dict[str, Any], body: Sequence[str], *,
                goals: Sequence[Goal] = ()) -> dict[str, Any]:
         """Write ``out.json`` and ``out.md`` (atomically, JSON first) and log the markdown; returns the JSON."""
-        machine = {**machine_record(), "git": self.git}  # torch's threads and GPU are known only by now
+        machine = machine_record(git=self.git)  # torch's threads and GPU are known only by now
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()}
         payload = {"schema": SCHEMA, "script": self.script, "title": title, "command": self.command,
                    "settings": settings, "started_at": self.started_at,
