@@ -33,6 +33,13 @@ def bench_parser(sub: argparse._SubParsersAction | None = None) -> argparse.Argu
     parser.add_argument("--test", type=int, default=50, help="report-split examples (default: %(default)s)")
     parser.add_argument("--candidates", type=int, default=8,
                         help="candidate programs the search stage tries (default: %(default)s)")
+    parser.add_argument("--demos", type=int, default=None,
+                        help="most demos per predictor for the labeled, demos and search stages; a small model "
+                             "reading long examples (HotpotQA's passages) needs few (default: each stage's own, "
+                             "DSPy's 16)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="structure stage: most search rounds, each scoring one edited workflow on the dev "
+                             "split (default: the stage's own, 20)")
     parser.add_argument("--max-tokens", type=int, default=256,
                         help="completion token limit per LM call (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)

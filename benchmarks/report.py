@@ -71,7 +71,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"# flowopt bench {results['protocol']}", "",
         f"LM `{cfg['lm']}`, program `{cfg['program']}`, stages `{cfg['stages']}`, seed {cfg['seed']}, "
         f"train {results['splits']['train']}, dev {results['splits']['dev']}, max tokens {cfg['max_tokens']}, "
-        f"threads {cfg['threads']}.  ",
+        f"threads {cfg['threads']}{_prompt_settings(cfg)}.  ",
         f"Machine: {results['machine']}. Run {state}: wall {results.get('wall_s', 0):.0f} s, "
         f"CPU {results.get('cpu_s', 0):.0f} s.", "",
         score_table(results),
@@ -80,6 +80,15 @@ def markdown(results: dict[str, Any]) -> str:
         "own output is scored too, kept or not, so every layer's contribution shows: its change is paired "
         "against the program the stage started from.", "",
     ])
+
+
+def _prompt_settings(cfg: dict[str, Any]) -> str:
+    """The demo and structure-round limits, when the command set them (older results lack the keys)."""
+    named = {"demos": "demos", "rounds": "structure rounds", "candidates": "candidates"}
+    stages = str(cfg.get("stages", ""))
+    shown = [f"{label} {cfg[key]}" for key, label in named.items() if cfg.get(key) is not None
+             and (key != "candidates" or "search" in stages)]
+    return "".join(f", {item}" for item in shown)
 
 
 def plot_scores(results: dict[str, Any], path: Path) -> None:

@@ -53,6 +53,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     _at_least(args, "dev", 1, "pass --dev 1 or more (the validation examples each stage is kept on)")
     _at_least(args, "test", 1, "pass --test 1 or more (the report-split examples)")
     _at_least(args, "candidates", 1)
+    _at_least(args, "demos", 0, "pass --demos 0 or more, or leave it out for each stage's default")
+    _at_least(args, "rounds", 1, "pass --rounds 1 or more, or leave it out for the stage's default")
     _at_least(args, "max_tokens", 1)
     _at_least(args, "threads", 1)
     _at_least(args, "lm_batch", 1)
@@ -89,8 +91,16 @@ def parse_stage_names(text: str) -> list[str]:
 
 def build_stage(name: str, args: argparse.Namespace) -> Any:
     """The stage object for ``name`` with the command line's settings (others take the stage's defaults)."""
+    demos = args.demos
     if name == "search":
-        return ("search", {"n_candidates": args.candidates})
+        few = {} if demos is None else {"max_labeled_demos": demos, "max_demos": min(demos, 4)}
+        return ("search", {"n_candidates": args.candidates, **few})
+    if name == "demos" and demos is not None:
+        return ("demos", {"max_bootstrapped_demos": min(demos, 4), "max_labeled_demos": demos})
+    if name == "labeled" and demos is not None:
+        return ("labeled", {"k": demos})
+    if name == "structure" and args.rounds is not None:
+        return ("structure", {"max_rounds": args.rounds})
     if name == "finetune":
         from flowopt.optimizers.weights import BootstrapFinetune
 

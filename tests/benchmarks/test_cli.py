@@ -165,6 +165,8 @@ def test_threads_reach_compile(tmp_path, scripted, monkeypatch):
     (["--group-size", "1"], "--group-size must be >= 2", "--group-size 2"),
     (["--grpo-batch", "0"], "--grpo-batch must be >= 1", "--grpo-batch 1"),
     (["--lm-batch", "0"], "--lm-batch must be >= 1", "--lm-batch 1"),
+    (["--demos", "-1"], "--demos must be >= 0", "--demos 0 or more"),
+    (["--rounds", "0"], "--rounds must be >= 1", "--rounds 1 or more"),
     (["--labels", "only"], "only applies to the finetune stage", "add finetune"),
     (["--train", "300"], "exceeds the 264 examples", "lower --train"),
     (["--test", "2000"], "exceeds the 1055 examples", "--test 1055"),
@@ -214,6 +216,30 @@ def test_weights_settings_reach_the_stages():
     assert (grpo.steps, grpo.batch_size, grpo.group_size, grpo.max_new_tokens) == (7, 16, 8, 200)
     finetune = build_stage("finetune", args)
     assert (finetune.epochs, finetune.labels) == (2, "only")
+
+
+def test_demos_and_rounds_reach_the_prompt_stages():
+    from flowopt.benchmarks.settings import build_stage
+    from flowopt.compiler.stages import resolve_stages
+
+    args = cli.bench_parser().parse_args(["gsm8k-dspy", "--demos", "2", "--rounds", "5", "--candidates", "6"])
+    labeled, demos, search, structure = resolve_stages(
+        [build_stage(name, args) for name in ("labeled", "demos", "search", "structure")])
+    assert labeled.k == 2
+    assert (demos.max_bootstrapped_demos, demos.max_labeled_demos) == (2, 2)
+    assert (search.n_candidates, search.max_labeled_demos, search.max_demos) == (6, 2, 2)
+    assert structure.max_rounds == 5
+    defaults = cli.bench_parser().parse_args(["gsm8k-dspy"])
+    assert resolve_stages([build_stage("demos", defaults)])[0].max_labeled_demos == 16
+
+
+def test_demos_caps_the_demos_in_the_compiled_program(tmp_path, scripted):
+    assert bench(tmp_path / "run", "--demos", "1") == 0
+    compiled = json.loads((tmp_path / "run" / "compiled.json").read_text())
+    assert len(compiled["nodes"][0]["predictors"]["cot.predict"]["demos"]) == 1
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["test"]["compiled"]["score"] == 1.0
+    assert ", demos 1." in (tmp_path / "run" / "results.md").read_text()
 
 
 def test_bm25s_debug_lines_are_dropped(tmp_path, monkeypatch, caplog):
