@@ -75,6 +75,28 @@ def _no_bm25s_debug(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.WARNING or record.name.split(".")[0] != "bm25s"
 
 
+class _TruncationNotes(logging.Filter):
+    """Shows DSPy's per-call "LM response was truncated" warning once and counts the rest.
+
+    A short ``--max-tokens`` (8 for HotpotQA's span answers) truncates most calls on purpose, and DSPy
+    warns on every one: thousands of identical lines that bury the progress bars.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("LM response was truncated"):
+            return True
+        self.hidden += 1
+        if self.hidden > 1:
+            return False
+        record.msg = f"{record.getMessage()} (shown once; with a short --max-tokens this is expected)"
+        record.args = ()
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="flowopt", description="flowopt: a compiler for LLM programs")
@@ -91,9 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     quiet = getattr(args, "quiet", False) and not args.verbose
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    truncations = _TruncationNotes()
     if not args.verbose:  # bm25s sets its own logger to DEBUG when it is imported (later): filter at the handler
         for handler in logging.getLogger().handlers:
             handler.addFilter(_no_bm25s_debug)
+        # On the logger itself: DSPy prints through its own handler, not the root one.
+        logging.getLogger("dspy.clients.lm").addFilter(truncations)
     try:
         from flowopt.benchmarks.runner import run_bench
 
@@ -101,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     except FlowoptError as err:
         logger.error("%s", err)
         return 2
+    finally:
+        logging.getLogger("dspy.clients.lm").removeFilter(truncations)
+        if truncations.hidden > 1:
+            logger.warning("%d LM responses were truncated at --max-tokens %s (one warning shown)",
+                           truncations.hidden, getattr(args, "max_tokens", "?"))
 
 
 if __name__ == "__main__":

@@ -253,6 +253,29 @@ def test_bm25s_debug_lines_are_dropped(tmp_path, monkeypatch, caplog):
     assert not [r for r in caplog.records if r.name.startswith("bm25s")]
 
 
+def test_dspy_truncation_warnings_are_shown_once_and_counted(tmp_path, monkeypatch, caplog, capfd):
+    import dataclasses
+
+    import dspy
+
+    from flowopt.testing import ScriptedEngine
+
+    class CutShort(ScriptedEngine):  # every completion hits the token limit, as --max-tokens 8 does
+        def complete(self, request):
+            return dataclasses.replace(super().complete(request), finish_reason="length")
+
+    engine = CutShort(lambda req: {"answer": "Paris"})
+    lm = dspy.LM("scripted/lm", engine=engine, cache=False)
+    monkeypatch.setattr(runner, "make_lm", lambda model, **kwargs: (lm, None))
+    argv = ["bench", "hotpotqa-aflow", "--lm", "scripted/lm", "--program", "predict", "--stages", "none",
+            "--train", "2", "--dev", "2", "--test", "4", "--out", str(tmp_path / "run"), "--threads", "1"]
+    assert cli.main(argv) == 0
+    assert engine.calls == 4
+    printed = capfd.readouterr().err  # DSPy prints through its own handler (its logger does not propagate)
+    assert printed.count("LM response was truncated") == 1 and "shown once" in printed
+    assert "4 LM responses were truncated at --max-tokens 256" in caplog.text
+
+
 def test_lm_batch_sets_the_local_models_batch_size(tmp_path):
     from flowopt.lm import local_of
     from flowopt.optimizers.weights.tiny import tiny_causal_lm
