@@ -1,9 +1,11 @@
 """Parallel evaluation of a program on examples: mean score with a 95% interval.
 
-A program that raises on an example (an LM output that does not parse, an LM error) scores 0 for it
-and counts as an error; more than ``max_errors`` errors stop the evaluation with an
-:class:`~flowopt.errors.LMError`. A metric that raises or returns a non-number is the user's bug and
-raises :class:`~flowopt.errors.MetricError` naming the example.
+A program that raises on an example scores 0 for it and counts as a failed example. An LM output that
+does not parse is a wrong answer (a small model's empty or rambling answer), never a reason to stop;
+any other failure (an LM or connection error, a crash in the program) counts as an error, and more
+than ``max_errors`` errors stop the evaluation with an :class:`~flowopt.errors.LMError`. A metric that
+raises or returns a non-number is the user's bug and raises :class:`~flowopt.errors.MetricError` naming
+the example.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+from dspy.utils.exceptions import AdapterParseError
 
 from flowopt.compiler.budget import BudgetStop
 from flowopt.errors import FlowoptError, LMError, MetricError, WorkflowError
@@ -257,7 +261,10 @@ class Evaluator:
             pred = run.program(**ex.inputs())
         except (BudgetStop, WorkflowError):
             raise
-        except Exception as err:  # a failed parse or LM error scores as a failure
+        except AdapterParseError as err:  # a wrong answer: one candidate a small model cannot answer with
+            logger.debug("example #%d: unparseable answer: %s", i, err)  # must not stop the search around it
+            return (0.0, True)
+        except Exception as err:  # an LM error or a crash in the program scores as a failure
             logger.debug("example #%d failed: %s: %s", i, type(err).__name__, err)
             with self._lock:
                 run.errors += 1
