@@ -58,7 +58,16 @@ from flowopt.benchmarks.perf.harness import Goal, PerfParser, markdown_table, se
 
 SHAPES = ("spread", "needles", "instructions")
 ORIGINAL = "Given the fields `question`, produce the fields `answer`."
-METHODS = ("bfrs8", "bfrs16", "flowopt8", "flowopt8_extra0", "flowopt8_extra0_anytime", "flowopt8_none",
+# BFRS(8)'s candidates only (extra=0), with other pruning settings: what the calls cost in guarantees.
+SAME_CANDIDATE_VARIANTS: dict[str, dict[str, Any]] = {
+    "flowopt8_extra0_stratified": {"pruner": "stratified"},
+    "flowopt8_extra0_anytime": {"pruner": "anytime"},
+    "flowopt8_extra0_alpha10": {"alpha": 0.1},
+    "flowopt8_extra0_no_finalists": {"finalists": 0},
+    "flowopt8_extra0_alpha10_no_finalists": {"alpha": 0.1, "finalists": 0},
+    "flowopt8_extra0_stratified_no_finalists": {"pruner": "stratified", "finalists": 0},
+}
+METHODS = ("bfrs8", "bfrs16", "flowopt8", "flowopt8_extra0", *SAME_CANDIDATE_VARIANTS, "flowopt8_none",
            "flowopt_at_bfrs8_calls",
            "flowopt8_demos_extra0", "flowopt_demos_search", "mipro_light", "mipro_stage", "gepa_stage")
 LABELS = {
@@ -66,7 +75,14 @@ LABELS = {
     "bfrs16": "DSPy BFRS(16)",
     "flowopt8": "flowopt `search`, BFRS(8)'s candidates + paid-for extras (defaults otherwise)",
     "flowopt8_extra0": "flowopt `search`, BFRS(8)'s candidates only (`extra=0`)",
+    "flowopt8_extra0_stratified": "flowopt `search`, BFRS(8)'s candidates only, `pruner=\"stratified\"`",
     "flowopt8_extra0_anytime": "flowopt `search`, BFRS(8)'s candidates only, `pruner=\"anytime\"`",
+    "flowopt8_extra0_alpha10": "flowopt `search`, BFRS(8)'s candidates only, `alpha=0.1` (a 10% test at each look)",
+    "flowopt8_extra0_no_finalists": ("flowopt `search`, BFRS(8)'s candidates only, `finalists=0` (no winner's-curse "
+                                     "guard)"),
+    "flowopt8_extra0_alpha10_no_finalists": "flowopt `search`, BFRS(8)'s candidates only, `alpha=0.1`, `finalists=0`",
+    "flowopt8_extra0_stratified_no_finalists": ("flowopt `search`, BFRS(8)'s candidates only, `stratified`, "
+                                                "`finalists=0`"),
     "flowopt8_none": "flowopt `search`, BFRS(8)'s candidates, `pruner=\"none\"`",
     "flowopt_at_bfrs8_calls": "flowopt `search` at BFRS(8)'s LM calls (`Budget`)",
     "flowopt8_demos_extra0": "flowopt `demos` + `search`, BFRS(8)'s candidates only (`extra=0`)",
@@ -78,8 +94,9 @@ LABELS = {
 }
 SAME_CANDIDATES = "flowopt8_extra0"  # the method the "same candidates" goal reads
 ANYTIME = "flowopt8_extra0_anytime"  # the same candidates under the anytime-valid pruner
+STRATIFIED = "flowopt8_extra0_stratified"  # the same candidates, tested against a fully scored reference
 STATED_ERROR = 0.05  # the stated bound on the pruner-error rate per run (each decision is a one-sided 5% test)
-SMOKE = {"seeds": 2, "workers": 1, "threads": 4, "latency": 0.0, "train": 30, "val": 40, "test": 60,
+SMOKE = {"seeds": 2, "workers": 1, "threads": 4, "latency": 0.0, "train": 30, "val": 40, "test": 60, "tie_orders": 5,
          "methods": ["bfrs8", "flowopt8", "flowopt8_extra0", ANYTIME, "flowopt_at_bfrs8_calls", "mipro_stage",
                      "gepa_stage"]}
 
@@ -211,8 +228,8 @@ def _stages(name: str, bfrs8_calls: int | None) -> tuple[list[Any], Any, Any]:
     if name == "flowopt8_extra0":
         search = _capturing_search(n_candidates=11, extra=0)
         return [search], None, search
-    if name == "flowopt8_extra0_anytime":
-        search = _capturing_search(n_candidates=11, extra=0, pruner="anytime")
+    if name in SAME_CANDIDATE_VARIANTS:
+        search = _capturing_search(n_candidates=11, extra=0, **SAME_CANDIDATE_VARIANTS[name])
         return [search], None, search
     if name == "flowopt8_none":
         return [("search", {"n_candidates": 11, "extra": 0, "pruner": "none"})], None, None
@@ -267,10 +284,60 @@ def run_method(name: str, task: Task, args: Any, bfrs8_calls: int | None) -> dic
            "test": task.score(out, task.test), "val": task.score(out, task.val), **info}
     if search is not None:
         returned = row["val"]["realised"]
-        pruned = {c: task.score(p, task.val)["realised"] for c, p in _CAPTURED.pop(id(search), {}).items()}
+        captured = _CAPTURED.pop(id(search), {})
+        pruned = {c: task.score(p, task.val)["realised"] for c, p in captured.items()}
         row["pruned_full_val"] = pruned
         row["pruner_error"] = any(v > returned + 1e-12 for v in pruned.values())
+        row["strata_variance"] = _strata_variance(task, out, student, list(captured.values()))
     return row
+
+
+def _strata_variance(task: Task, pick: Any, incumbent: Any, pruned: list[Any]) -> dict[str, float] | None:
+    """How much of a pruned candidate's per-example variance on the valset (its 0/1 answers, by the rule)
+    stratifying by other programs' answers removes: the within-strata share, by the pick's answers and
+    by the pick's and the incumbent's together, mean over the pruned candidates (the best case for any
+    stratified sample: a test of the same power needs about that share of the examples)."""
+    def answers(program: Any) -> list[float]:
+        demos, instruction = task.program_parts(program)
+        return [float(task.correct(demos, instruction, task.index[e.question])) for e in task.val]
+
+    by_pick, by_both = answers(pick), list(zip(answers(pick), answers(incumbent)))
+    shares: dict[str, list[float]] = {"by_pick": [], "by_pick_and_incumbent": []}
+    for program in pruned:
+        mine = answers(program)
+        total = statistics.pvariance(mine)
+        if total == 0:
+            continue
+        for key, labels in (("by_pick", by_pick), ("by_pick_and_incumbent", by_both)):
+            strata: dict[Any, list[float]] = {}
+            for label, x in zip(labels, mine):
+                strata.setdefault(label, []).append(x)
+            within = sum(len(v) * statistics.pvariance(v) for v in strata.values()) / len(mine)
+            shares[key].append(within / total)
+    return {k: round(statistics.fmean(v), 4) for k, v in shares.items()} if shares["by_pick"] else None
+
+
+def tie_prune_rates(orders: int, seed: int = 0) -> dict[str, dict[str, float]]:
+    """How often each rule prunes a challenger that ties the leader on a valset of 100, at *some* look,
+    over random orders: 15 + 15 and 35 + 35 discordant examples (the rest both right). ``confidence``
+    and ``stratified`` (whose reference, the leader, is fully scored) look at the stage's looks, each a
+    5% test; ``anytime`` after every example, at 5% over all of them."""
+    from flowopt.optimizers.search.pruning import anytime_worse, first_look, looks, stratified_worse, worse_than
+
+    rng, ends = random.Random(seed), looks(100, first_look(100))[:-1]
+    out: dict[str, dict[str, float]] = {}
+    for discordant in (15, 35):
+        challenger = [0.0] * discordant + [1.0] * discordant + [1.0] * (100 - 2 * discordant)
+        leader = [1.0] * discordant + [0.0] * discordant + [1.0] * (100 - 2 * discordant)
+        hits = {"confidence": 0, "stratified": 0, "anytime": 0}
+        for _ in range(orders):
+            order = rng.sample(range(100), 100)
+            c, lead = [challenger[i] for i in order], [leader[i] for i in order]
+            hits["confidence"] += any(worse_than(c[:end], lead[:end], population=100) for end in ends)
+            hits["stratified"] += any(stratified_worse(c[:end], lead) for end in ends)
+            hits["anytime"] += anytime_worse(c[:99], lead[:99], population=100)  # the wealth's maximum: every look
+        out[f"{discordant}+{discordant}"] = {k: round(v / orders, 4) for k, v in hits.items()}
+    return out
 
 
 def run_seed(seed: int, args: Any) -> dict[str, Any]:
@@ -323,7 +390,7 @@ def summarise(seeds: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]
     return out
 
 
-DETAILED = (SAME_CANDIDATES, ANYTIME, "flowopt_at_bfrs8_calls")  # methods whose every candidate is listed
+DETAILED = (SAME_CANDIDATES, STRATIFIED, ANYTIME)  # methods whose every candidate is listed (the seeds file < 300 KB)
 
 
 def _candidate_line(c: dict[str, Any], full: dict[int, float]) -> str:
@@ -333,7 +400,9 @@ def _candidate_line(c: dict[str, Any], full: dict[int, float]) -> str:
         line += f", whole valset {full[c['candidate']]:.3f}"
     if "pruned" in c:
         found = re.search(r"candidate (\d+).*\((\d+) losses, (\d+) wins\)", c["pruned"])
+        reference = re.search(r"candidate (\d+) \(whole valset ([\d.]+)\)", c["pruned"])  # the stratified rule
         line += (f"; pruned: behind c{found[1]}, {found[2]} losses {found[3]} wins" if found
+                 else f"; pruned: below c{reference[1]}'s whole valset {reference[2]}" if reference
                  else f"; pruned: {c['pruned']}")
     return line
 
@@ -361,9 +430,12 @@ def _compact(row: dict[str, Any], detailed: bool) -> dict[str, Any]:
             search["candidates"] = [_candidate_line(c, full) for c in candidates]
         else:
             search.pop("finalists", None)
+            search.pop("why", None)
         out["search"] = search
     if "pruner_error" in row:
         out["pruner_error"] = row["pruner_error"]
+    if detailed and row.get("strata_variance"):
+        out["strata_variance"] = row["strata_variance"]
     return out
 
 
@@ -378,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val", type=int, default=100)
     parser.add_argument("--test", type=int, default=300)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--tie-orders", type=int, default=400,
+                        help="random valset orders for the rules' tie-prune rates (0: skip)")
     run = start_run(parser, argv)
     args = run.args
     log = logging.getLogger("search_generalisation")
@@ -399,10 +473,11 @@ def main(argv: list[str] | None = None) -> int:
     per_seed = {m: {"test_expected": [r["rows"][m]["test"]["expected"] for r in compact],
                     "lm_calls": [r["rows"][m]["lm_calls"] for r in compact]} for m in args.methods}
     summary = summarise(results, args.methods)
-    full = {"summary": summary, "seeds": compact}
+    ties = tie_prune_rates(args.tie_orders) if args.tie_orders else {}
+    full = {"summary": summary, "seeds": compact, "tie_prune_rates": ties, "tie_orders": args.tie_orders}
     run.finish("Search generalisation: the test score of the program each method picks",
                {"summary": summary, "seeds": [r["seed"] for r in compact], "shapes": [r["shape"] for r in compact],
-                "per_seed": per_seed, "seeds_file": seeds_file.name},
+                "per_seed": per_seed, "seeds_file": seeds_file.name, "tie_prune_rates": ties},
                body(full, args, seeds_file.name), goals=goals(full))
     return 0
 
@@ -473,16 +548,7 @@ def notes(payload: dict[str, Any], seeds_file: str) -> list[str]:
                    f"{', '.join(f'`{m}`' for m in DETAILED)} runs, with its scores, whole-valset score and "
                    f"the pruner's reason, is in `{seeds_file}` (`search.candidates`), with every search's report.")
         out.append(_survivors_note(same, rows))
-        anytime = [r[ANYTIME] for r in rows if ANYTIME in r and r[ANYTIME].get("search")]
-        if anytime:
-            out.append(f"* With `pruner=\"anytime\"` (same candidates; a betting test valid at every look, looking "
-                       f"after every example): {statistics.fmean(r['lm_calls'] for r in anytime):.0f} calls a run, "
-                       f"{_valset_scores(anytime):.0f} valset scores of the candidates, "
-                       f"{_fresh_scores(anytime):.0f} finalists' fresh-example scores; pruned "
-                       f"{statistics.fmean(r['search']['pruned'] for r in anytime):.1f} candidates after "
-                       f"{statistics.fmean(r['search']['pruned_mean_scored'] for r in anytime):.0f} valset examples on "
-                       "average. It needs more evidence than one look of the default rule, which is a 5% test at each "
-                       "look, not over all of them.")
+        out += _variants_notes(rows)
         if "baseline" in stage:
             out.append(f"* The baseline's {stage['baseline']:.0f} calls are the zero-shot program scored on the whole "
                        "valset: BFRS scores the same program as its zero-shot candidate on the whole valset too, so "
@@ -495,16 +561,20 @@ def notes(payload: dict[str, Any], seeds_file: str) -> list[str]:
         upper = beta.ppf(0.95, bad + 1, len(runs) - bad) if bad < len(runs) else 1.0
         out.append(f"* Pruner error: in {bad} of {len(runs)} runs that pruned (all pruning methods pooled) a pruned "
                    f"candidate's full-valset score was above the returned program's (one-sided 95% upper bound "
-                   f"{upper:.3f} a run; stated: at most {STATED_ERROR:.0%}). Each prune decision is a one-sided 5% "
-                   "test of whether the challenger's whole-valset score is below the leader's (`anytime`: a test "
-                   "at 5% over all of its looks); the finalists' "
-                   "re-scoring on fresh examples may also return a program whose valset score is below another's, "
-                   "by design, which counts here as an error too. Over all of its looks, a challenger that ties the "
-                   "leader on the whole valset is pruned in about 5% of orders at 15 + 15 discordant examples of "
-                   "100 (tests/optimizers/test_search_pruning.py), more at higher discordance (13% at 35 + 35): "
-                   "the looks are every 5%, not finer, for that reason (every example: 0.52x calls, 7.7%); "
-                   "`anytime` looks after every example and prunes such a tie in at most 5% of orders, by "
-                   "construction (about 4% measured in the same tests).")
+                   f"{upper:.3f} a run; stated: at most {STATED_ERROR:.0%}). Each prune decision is a one-sided "
+                   "test at `alpha` (5% unless the row says otherwise) of whether the challenger's whole-valset "
+                   "score is below the leader's (`stratified`: below the fully scored reference's; `anytime`: a "
+                   "test at 5% over all of its looks); the finalists' re-scoring on fresh examples may also return "
+                   "a program whose valset score is below another's, by design, which counts here as an error too.")
+    ties = payload.get("tie_prune_rates") or {}
+    if ties:
+        rates = "; ".join(f"{k} discordant: " + ", ".join(f"`{rule}` {v:.1%}" for rule, v in r.items())
+                          for k, r in ties.items())
+        out.append(f"* A challenger that ties the leader on the whole valset (100 examples), over "
+                   f"{payload.get('tie_orders')} random orders (`tie_prune_rates`), is pruned at some look in: "
+                   f"{rates}. `confidence` and `stratified` test at 5% at each of their looks (every 5% of the "
+                   "valset from 20 examples), so over all looks a tie is pruned more often as discordance grows; "
+                   "`anytime` is a 5% test over every look by construction.")
     changed = total_f = 0
     for r in rows:
         for row in r.values():
@@ -521,6 +591,64 @@ def notes(payload: dict[str, Any], seeds_file: str) -> list[str]:
                "`compile()` (their extra calls are compile's baseline and final check). DSPy's cache is off for "
                "every method; flowopt's own score memo (same program, same example) stays on by design: the "
                "search's incumbent and the compiler's final check reuse scores already paid for.")
+    return out
+
+
+def _variants_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """The same candidates under other pruning settings: the stratified rule, and what each guarantee
+    given up buys in calls (the rows of :data:`SAME_CANDIDATE_VARIANTS`)."""
+    from flowopt.optimizers.search.pruning import first_look
+
+    out = []
+    base = [r[SAME_CANDIDATES] for r in rows if SAME_CANDIDATES in r]
+    strat = [r[STRATIFIED] for r in rows if STRATIFIED in r and r[STRATIFIED].get("search")]
+    if strat and base:
+        shares = [r["strata_variance"] for r in base + strat if r.get("strata_variance")]
+        pick = statistics.fmean(s["by_pick"] for s in shares) if shares else float("nan")
+        both = statistics.fmean(s["by_pick_and_incumbent"] for s in shares) if shares else float("nan")
+        n_val = max(r["search"]["incumbent_scored"] for r in base)
+        after = statistics.fmean(r["search"]["pruned"] * max(0.0, r["search"]["pruned_mean_scored"] - first_look(n_val))
+                                 for r in base)
+        out.append(
+            f"* `pruner=\"stratified\"` (same candidates): {statistics.fmean(r['lm_calls'] for r in strat):.0f} calls "
+            f"a run (default rule: {statistics.fmean(r['lm_calls'] for r in base):.0f}), {_valset_scores(strat):.0f} "
+            f"valset scores of the candidates (default: {_valset_scores(base):.0f}), {_fresh_scores(strat):.0f} "
+            f"finalists' fresh-example scores (default: {_fresh_scores(base):.0f}); pruned "
+            f"{statistics.fmean(r['search']['pruned'] for r in strat):.1f} candidates after "
+            f"{statistics.fmean(r['search']['pruned_mean_scored'] for r in strat):.0f} valset examples on average "
+            f"(default: {statistics.fmean(r['search']['pruned_mean_scored'] for r in base):.0f}). Why stratifying "
+            f"cannot buy much more here: by the task's rule, stratifying the valset by the pick's 0/1 answers leaves "
+            f"{pick:.0%} of a pruned candidate's per-example variance (by the pick's and the incumbent's answers: "
+            f"{both:.0%}; mean over every pruned candidate of both rows, `strata_variance` in the seeds file). A "
+            f"test of the same power needs about that share of the examples, so even a perfect stratified design "
+            f"would save about {1 - both:.0%} of the {after:.0f} valset examples a run the pruned candidates are "
+            f"scored on after the first look ({(1 - both) * after:.0f} calls): the answers of different prompts "
+            "to one example agree little beyond the example's difficulty.")
+    costs = []
+    for name, settings in SAME_CANDIDATE_VARIANTS.items():
+        runs = [r[name] for r in rows if name in r]
+        if name in (STRATIFIED, ANYTIME) or not runs or not base:
+            continue
+        ratio = statistics.fmean(r["lm_calls"] / b["bfrs8"]["lm_calls"] for r, b in zip(runs, rows))
+        diff = statistics.fmean(r["test"]["expected"] - b["bfrs8"]["test"]["expected"] for r, b in zip(runs, rows))
+        errors = sum(bool(r.get("pruner_error")) for r in runs)
+        what = ", ".join(f"`{k}={v!r}`" for k, v in settings.items())
+        costs.append(f"{what}: {ratio:.3f}x, paired test {diff:+.4f}, pruner errors in {errors} of {len(runs)} runs")
+    if costs:
+        out.append("* What 0.5x would cost (same candidates, with these settings): " + "; ".join(costs)
+                   + ". `alpha=0.1` doubles the chance each prune decision drops a candidate that is not worse; "
+                   "`finalists=0` drops the winner's-curse guard (the pick is the best valset mean, biased upward); "
+                   "the first look's floor of 20 examples is not a setting (`first_look`).")
+    anytime = [r[ANYTIME] for r in rows if ANYTIME in r and r[ANYTIME].get("search")]
+    if anytime:
+        out.append(f"* With `pruner=\"anytime\"` (same candidates; a betting test valid at every look, looking "
+                   f"after every example): {statistics.fmean(r['lm_calls'] for r in anytime):.0f} calls a run, "
+                   f"{_valset_scores(anytime):.0f} valset scores of the candidates, "
+                   f"{_fresh_scores(anytime):.0f} finalists' fresh-example scores; pruned "
+                   f"{statistics.fmean(r['search']['pruned'] for r in anytime):.1f} candidates after "
+                   f"{statistics.fmean(r['search']['pruned_mean_scored'] for r in anytime):.0f} valset examples on "
+                   "average. It needs more evidence than one look of the default rule, which is a 5% test at each "
+                   "look, not over all of them.")
     return out
 
 

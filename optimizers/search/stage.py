@@ -113,6 +113,9 @@ class RandomSearch(Stage):
         sampler: ``"random"`` or ``"tpe"``.
         pruner: ``"confidence"`` (paired test against the leader: McNemar's exact test for 0/1
             scores, a paired normal bound otherwise; prune when worse at one-sided ``1 - alpha``),
+            ``"stratified"`` (the confidence rule's looks, but the leader of each look is scored on
+            the whole valset at once and challengers are tested against the best fully scored
+            candidate, with the valset stratified by its 0/1 scores: an exact test at each look),
             ``"anytime"`` (a betting test valid at every look, so it looks after every example:
             a challenger at least as good as the leader on the whole valset is pruned with
             probability at most ``alpha`` over all looks; scores in [0, 1]),
@@ -210,7 +213,7 @@ class RandomSearch(Stage):
         """Where the rungs end on a valset of ``n`` examples (cumulative counts; the last is ``n``)."""
         if self.pruner == "none":
             return [n]
-        if self.pruner == "confidence":
+        if self.pruner in ("confidence", "stratified"):
             return looks(n, first_look(n, self.minibatch_size))
         if self.pruner == "anytime":  # valid at every look: look after every example (next_look fills threads)
             return looks(n, first_look(n, self.minibatch_size), every=1)
@@ -315,16 +318,21 @@ class RandomSearch(Stage):
         prev = 0
         try:
             while alive and prev < len(order):
+                behind = [(t, c) for t, c in alive if len(scores[t.number]) < len(order)]  # not scored ahead
+                if not behind:
+                    break
                 # The next look is the first that gives every thread an example (one candidate left: 8 at a time).
-                cum = next_look(ends, prev, len(alive), ctx.num_threads)
+                cum = next_look(ends, prev, len(behind), ctx.num_threads)
                 ctx.budget.check()
-                results = ctx.evaluate_many([(c, order[prev:cum]) for _, c in alive],
-                                            desc=f"{len(alive)} candidates, {cum}/{len(order)}")
-                for (trial, _), result in zip(alive, results):
+                results = ctx.evaluate_many([(c, order[prev:cum]) for _, c in behind],
+                                            desc=f"{len(behind)} candidates, {cum}/{len(order)}")
+                for (trial, _), result in zip(behind, results):
                     scores[trial.number].extend(result.scores)
                     trial.report(_mean(scores[trial.number]), step=cum)
                 prev = cum
                 if cum < len(order):
+                    if self.pruner == "stratified":
+                        self._score_leader_ahead(alive, scores, others, cum, order, ctx)
                     # Every candidate is scored on the rung before any is judged: verdicts don't depend on order.
                     live = {t.number: scores[t.number] for t, _ in alive}
                     pruned = verdicts(self.pruner, live, others, cum, incumbent, reduction_factor=self.reduction_factor,
@@ -341,6 +349,24 @@ class RandomSearch(Stage):
         except BudgetExhausted:
             stop_running(study, [trial for trial, _ in alive], "budget")
             raise
+
+    @staticmethod
+    def _score_leader_ahead(alive: list[tuple[Any, dspy.Module]], scores: dict[int, list[float]],
+                            others: Mapping[int, Sequence[float]], cum: int, order: list[Any],
+                            ctx: StageContext) -> None:
+        """The stratified pruner tests challengers against a fully scored reference: score this look's
+        leader (the best on the first ``cum`` examples, of this wave or an earlier one) on the rest of the
+        valset now. It is the likely pick, whose whole-valset scores the compiler's final check needs
+        anyway (the incumbent's come from the memo)."""
+        firsts = {k: v[:cum] for k, v in {**others, **scores}.items() if len(v) >= cum}
+        leader = max(firsts, key=lambda k: (sum(firsts[k]), -k))
+        ahead = next(((t, c) for t, c in alive if t.number == leader and len(scores[leader]) < len(order)), None)
+        if ahead is None:
+            return
+        trial, candidate = ahead
+        result, = ctx.evaluate_many([(candidate, order[cum:])], desc=f"leader, {cum}/{len(order)} -> all")
+        scores[leader].extend(result.scores)
+        trial.report(_mean(scores[leader]), step=len(order))
 
     def close_finalists(self, complete: list[Any]) -> list[Any]:
         """The fully scored trials (at most ``finalists``) the valset cannot tell from the leader, best first."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -125,6 +126,27 @@ def test_pruning_stops_trailing_candidates_and_saves_calls(pruner):
     assert b.report.stage("search").info["pruned"] == 0
     assert pruned.engine.calls < full.engine.calls
     assert a.report.best_score > a.report.baseline_score and b.report.best_score > b.report.baseline_score
+
+
+def test_stratified_pruner_scores_the_leader_ahead_and_tests_against_it():
+    start = dspy.Predict("question -> answer")
+    start.demos = [TRAIN[0]]
+    lm = category_lm(cache=False)
+    out = _search(lm, RandomSearch(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3, pruner="stratified",
+                                   extra=0, finalists=0), program=start.deepcopy(), valset=BIG_VAL)
+    info = out.report.stage("search").info
+    candidates = {c["kind"]: c for c in info["candidates"]}
+    # The 0-scoring zero-shot program stops at the first look (20 examples), against a reference scored on
+    # all 60 examples: the first look's leader, scored ahead.
+    assert candidates["zero-shot"]["scored"] == 20
+    reference = re.search(r"worse than candidate (\d+) \(whole valset ([\d.]+)\)", candidates["zero-shot"]["pruned"])
+    assert reference is not None and "stratified" in candidates["zero-shot"]["pruned"]
+    leader = next(c for c in info["candidates"] if c["candidate"] == int(reference[1]))
+    assert leader["scored"] == 60 and leader["mean"] == pytest.approx(float(reference[2]), abs=1e-3)
+    assert out.report.best_score == pytest.approx(2 / 3, abs=1e-3)
+    assert out.report.best_score > out.report.baseline_score
+    # Every LM call of the search is a candidate's example: nothing is scored twice.
+    assert info["pruned"] >= 1 and lm.engine.calls <= sum(c["scored"] for c in info["candidates"]) + 60
 
 
 def test_sqlite_storage_resumes_without_paying_again(tmp_path):
