@@ -11,6 +11,7 @@ from fakes import category_lm, demo_task_lm, exact, examples
 import flowopt
 from flowopt import Budget
 from flowopt.compiler import BudgetTracker
+from flowopt.errors import BudgetExhausted
 from flowopt.optimizers.search import RandomSearch
 
 STAGES = [("demos", {"max_labeled_demos": 4}), RandomSearch(n_candidates=6, max_demos=2, pool_size=4)]
@@ -76,9 +77,15 @@ def test_max_wall_s():
     # run (at 0.02 s a warm run could finish inside the limit), and the stop must come soon after it.
     lm = category_lm(latency_s=0.1)
     start = time.monotonic()
-    out = _compile(lm, Budget(max_wall_s=0.6), num_threads=2)
-    # On a loaded machine the baseline alone can use the 0.6 s, and the stage then reports "(not run)".
-    assert out.report.stop_reason in ("budget: max_wall_s", "budget: max_wall_s (not run)")
+    try:
+        out = _compile(lm, Budget(max_wall_s=0.6), num_threads=2)
+    except BudgetExhausted as err:
+        # On a heavily loaded machine the baseline itself (9 calls, about 0.5 s idle) can overrun the
+        # limit: compile then stops with the budget named, since there is nothing to compare against.
+        assert "max_wall_s" in str(err)
+    else:
+        # On a loaded machine the baseline alone can use the 0.6 s, and the stage then reports "(not run)".
+        assert out.report.stop_reason in ("budget: max_wall_s", "budget: max_wall_s (not run)")
     assert time.monotonic() - start < 2.0
 
 
