@@ -71,6 +71,15 @@ def _run(local, task, monkeypatch, settings):
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_seeded_grpo_steps_repeat_the_recorded_rewards_and_adapter(make_tiny_local, task, monkeypatch, config):
+    import functools
+
+    from flowopt.lm import batching, engine
+
+    # A step's batch runs when all 8 rollouts wait, or after 0.5 s with whoever waits (so a call from an
+    # unknown thread never dead-locks). On a loaded machine a late rollout thread split a batch once in CI,
+    # which shifts the seeded stream's uniforms between rows: the run is reproducible only when the
+    # batches are the same, so this test waits for every rollout.
+    monkeypatch.setattr(engine, "LockstepBatcher", functools.partial(batching.LockstepBatcher, timeout_s=60.0))
     got = _run(make_tiny_local(), task, monkeypatch, CONFIGS[config])
     record = os.environ.get("FLOWOPT_RECORD_GRPO_REFERENCE")
     if record:
