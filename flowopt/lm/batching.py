@@ -186,8 +186,11 @@ class LockstepBatcher(Generic[T, R]):
     calls :meth:`serve`, which returns when every rollout has finished. Batches are as large as the
     program allows and their order (by ``key``) does not depend on thread timing, so a seeded run
     repeats; all model work happens on the serving thread (many threads touching torch each start
-    their own OpenMP pool, which on a small CPU costs more than the work). A short timeout serves
-    whatever waits, so calls from threads the batcher does not know about never dead-lock.
+    their own OpenMP pool, which on a small CPU costs more than the work). A short timeout
+    (``timeout_s``) serves whatever waits, so calls from threads the batcher does not know about never
+    dead-lock. The price: a rollout thread later than ``timeout_s`` (a loaded machine, slow non-LM work
+    in the program) splits a batch, and a seeded run then differs from one where it did not, since the
+    seeded stream's draws are shared out over the batch's rows.
 
     Example:
         >>> import threading
