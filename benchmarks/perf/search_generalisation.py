@@ -335,7 +335,9 @@ def tie_prune_rates(orders: int, seed: int = 0) -> dict[str, dict[str, float]]:
             c, lead = [challenger[i] for i in order], [leader[i] for i in order]
             hits["confidence"] += any(worse_than(c[:end], lead[:end], population=100) for end in ends)
             hits["stratified"] += any(stratified_worse(c[:end], lead) for end in ends)
-            hits["anytime"] += anytime_worse(c[:99], lead[:99], population=100)  # the wealth's maximum: every look
+            # Every look, as the stage looks: anytime_worse reads the wealth's maximum so far, but only prunes
+            # where the challenger trails, so a single read at the end would miss a prune at an earlier look.
+            hits["anytime"] += any(anytime_worse(c[:end], lead[:end], population=100) for end in range(1, 100))
         out[f"{discordant}+{discordant}"] = {k: round(v / orders, 4) for k, v in hits.items()}
     return out
 
