@@ -71,7 +71,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"# flowopt bench {results['protocol']}", "",
         f"LM `{cfg['lm']}`, program `{cfg['program']}`, stages `{cfg['stages']}`, seed {cfg['seed']}, "
         f"train {results['splits']['train']}, dev {results['splits']['dev']}, max tokens {cfg['max_tokens']}, "
-        f"threads {cfg['threads']}{_prompt_settings(cfg)}.  ",
+        f"threads {cfg['threads']}{_stage_limits(cfg)}.  ",
         f"Machine: {results['machine']}. Run {state}: wall {results.get('wall_s', 0):.0f} s, "
         f"CPU {results.get('cpu_s', 0):.0f} s.", "",
         score_table(results),
@@ -82,8 +82,8 @@ def markdown(results: dict[str, Any]) -> str:
     ])
 
 
-def _prompt_settings(cfg: dict[str, Any]) -> str:
-    """The demo and structure-round limits, when the command set them (older results lack the keys)."""
+def _stage_limits(cfg: dict[str, Any]) -> str:
+    """The demo, candidate and structure-round limits the command set (older results lack the keys)."""
     named = {"demos": "demos", "rounds": "structure rounds", "candidates": "candidates"}
     stages = str(cfg.get("stages", ""))
     shown = [f"{label} {cfg[key]}" for key, label in named.items() if cfg.get(key) is not None

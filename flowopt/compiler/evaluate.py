@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import dspy
 from dspy.utils.exceptions import AdapterParseError
 
 from flowopt.compiler.budget import BudgetStop
@@ -114,8 +115,6 @@ def program_key(program: Any, *, include_lms: bool = True) -> str:
         return hashlib.sha1(text.encode("utf-8")).hexdigest()
     # The LMs behind the program are part of its behaviour: the ambient one and any bound to a predictor.
     # A LocalLM's model name carries a tag that changes with its weights, so training invalidates the memo.
-    import dspy
-
     lms = {"ambient": _lm_identity(dspy.settings.lm),
            **{name: _lm_identity(p.lm) for name, p in program.named_predictors() if p.lm is not None}}
     text += json.dumps(lms, sort_keys=True, default=repr)
