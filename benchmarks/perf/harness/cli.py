@@ -20,7 +20,8 @@ from .report import PerfRun
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
 MODULE_PREFIX = "flowopt.benchmarks.perf."
-NOISY_LOGGERS = ("dspy", "LiteLLM", "litellm", "httpx", "urllib3", "transformers", "trl", "optuna", "filelock")
+NOISY_LOGGERS = ("dspy", "LiteLLM", "litellm", "httpx", "urllib3", "transformers", "trl", "optuna", "filelock",
+                 "bm25s")
 
 
 class PerfParser(argparse.ArgumentParser):
@@ -90,3 +91,9 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(message)s")
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    for handler in logging.getLogger().handlers:  # bm25s sets its logger to DEBUG when it is imported (later)
+        handler.addFilter(_no_library_chatter)
+
+
+def _no_library_chatter(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR or record.name.split(".")[0] not in NOISY_LOGGERS
