@@ -55,6 +55,11 @@ def _search_generalisation(r: dict[str, Any]) -> None:
     assert all(0.0 <= e["test_expected"] <= 1.0 and e["lm_calls"] > 0 for e in r["summary"].values())
     assert r["summary"]["bfrs8"]["calls_ratio"] == 1.0
     assert all(len(r["per_seed"][m]["lm_calls"]) == 2 for m in methods)
+    # Each rule's tie-prune rate at the default level (10%) and at the stricter 5%, as shares of the orders.
+    rates = r["tie_prune_rates"]
+    assert set(rates) == {"15+15", "35+35"}
+    assert all(set(by) == {"0.1", "0.05"} and all(0.0 <= v <= 1.0 for v in by.values())
+               for rules in rates.values() for by in rules.values())
 
 
 def _cpu_bf16_paths(r: dict[str, Any]) -> None:

@@ -111,8 +111,12 @@ def test_pruning_stops_trailing_candidates_and_saves_calls(pruner):
     # The incumbent shows one demo (category a: it scores 1/3), so the zero-shot program is a candidate of its own.
     start = dspy.Predict("question -> answer")
     start.demos = [TRAIN[0]]
+    # The confidence rule at 5%: at its default 10%, this valset's order prunes two of the candidates that tie
+    # at 2/3 overall (13 losses, 7 wins on the first 26 examples), the per-decision error the default accepts
+    # (measured in benchmarks/results/search_generalisation.md). The anytime rule runs at its default.
+    level = {"alpha": 0.05} if pruner == "confidence" else {}
     a = _search(pruned, RandomSearch(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3, pruner=pruner,
-                                     extra=0), program=start.deepcopy(), valset=BIG_VAL)
+                                     extra=0, **level), program=start.deepcopy(), valset=BIG_VAL)
     b = _search(full, RandomSearch(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3, pruner="none",
                                    extra=0), program=start.deepcopy(), valset=BIG_VAL)
     # Halving keeps a third of the challengers; the confidence and anytime rules prune only the 0-scoring
@@ -122,7 +126,7 @@ def test_pruning_stops_trailing_candidates_and_saves_calls(pruner):
     if pruner != "halving":
         assert [c["kind"] for c in info["candidates"] if "pruned" in c] == ["zero-shot"]
     if pruner == "anytime":
-        assert all("at 5% over every look" in c["pruned"] for c in info["candidates"] if "pruned" in c)
+        assert all("at 10% over every look" in c["pruned"] for c in info["candidates"] if "pruned" in c)
     assert b.report.stage("search").info["pruned"] == 0
     assert pruned.engine.calls < full.engine.calls
     assert a.report.best_score > a.report.baseline_score and b.report.best_score > b.report.baseline_score

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flowopt.optimizers.search.pruning import (
+    ALPHA,
     _mcnemar_p,
     first_look,
     first_rung,
@@ -39,14 +40,28 @@ def test_incumbent_takes_no_keep_slot_and_is_never_pruned():
     assert to_prune("halving", live, {}, 30, incumbent=0) == {2, 3}  # ceil(3 / 3) = 1 keep slot: candidate 1
 
 
+def test_the_default_level_is_a_one_sided_10_percent_test_at_each_look():
+    from flowopt.optimizers.search import RandomSearch
+
+    assert ALPHA == 0.1 and RandomSearch().alpha == ALPHA
+    assert RandomSearch(alpha=0.05).alpha == 0.05  # the stricter level is one setting away
+
+
 def test_confidence_prunes_only_what_is_significantly_worse():
     leader = [1.0] * 25
-    assert worse_than([1.0] * 20 + [0.0] * 5, leader)       # 5 discordant, all against: p = 1/32 < 0.05
-    assert not worse_than([1.0] * 21 + [0.0] * 4, leader)   # 4 against: p = 1/16, not enough
+    # At the default one-sided 10%:
+    assert worse_than([1.0] * 21 + [0.0] * 4, leader)       # 4 discordant, all against: p = 1/16 < 0.1
+    assert not worse_than([1.0] * 22 + [0.0] * 3, leader)   # 3 against: p = 1/8, not enough
+    # At 5%:
+    assert worse_than([1.0] * 20 + [0.0] * 5, leader, alpha=0.05)       # 5 against: p = 1/32 < 0.05
+    assert not worse_than([1.0] * 21 + [0.0] * 4, leader, alpha=0.05)   # 4 against: p = 1/16, not enough
     # 6 losses and 2 wins: p = P(Bin(8, .5) >= 6) = 0.145, not pruned though the mean trails by 0.16.
     assert not worse_than([0.0] * 6 + [1.0] * 2 + [1.0] * 17, [1.0] * 6 + [0.0] * 2 + [1.0] * 17)
     live = {1: [1.0] * 25, 2: [1.0] * 20 + [0.0] * 5, 3: [1.0] * 22 + [0.0] * 3}
     assert to_prune("confidence", live, {}, 25, incumbent=None) == {2}
+    live[4] = [1.0] * 21 + [0.0] * 4
+    assert to_prune("confidence", live, {}, 25, incumbent=None) == {2, 4}
+    assert to_prune("confidence", live, {}, 25, incumbent=None, alpha=0.05) == {2}
 
 
 def test_confidence_never_prunes_a_tie_even_with_many_discordant_pairs():
@@ -97,24 +112,30 @@ def test_finite_population_test_prunes_what_cannot_catch_up_on_the_examples_left
     assert worse_than(*_pairs(4, 0, 93), population=100)
     # A whole-valset tie is still possible at 3 behind with 3 left, but only if all 3 left are wins: no
     # discordant pair in 97 examples and 3 in the last 3 happens once in 160,000 orders (Berger-Boos
-    # rules that count out); with 20 left it is plausible, and the challenger stays.
+    # rules that count out); with 20 left it is plausible at 5% (p = 0.072), with 40 left at 10% (p =
+    # 0.097 at 40, 0.104 at 50), and the challenger stays.
     assert worse_than(*_pairs(3, 0, 94), population=100)
-    assert not worse_than(*_pairs(3, 0, 77), population=100)
+    assert not worse_than(*_pairs(3, 0, 77), alpha=0.05, population=100)
+    assert worse_than(*_pairs(3, 0, 77), population=100)
+    assert not worse_than(*_pairs(3, 0, 47), population=100)
     assert worse_than(*_pairs(1, 0, 99), population=100)  # everything scored: one behind is behind
 
 
-def test_finite_population_test_is_mcnemar_on_an_unbounded_valset_and_never_stricter():
-    challenger, leader = _pairs(14, 6, 56)  # 76 examples seen: McNemar p = 0.058
-    assert not worse_than(challenger, leader)
-    assert not worse_than(challenger, leader, population=10**6)
-    assert worse_than(challenger, leader, population=100)  # 24 left: the hypergeometric p is 0.016
-    for losses, wins in [(5, 0), (6, 2), (9, 3), (12, 5)]:
+@pytest.mark.parametrize("alpha, losses, wins, ties", [(0.05, 14, 6, 56),   # 76 seen: McNemar p = 0.058,
+                                                       (ALPHA, 10, 5, 60)])  # 75 seen: McNemar p = 0.151
+def test_finite_population_test_is_mcnemar_on_an_unbounded_valset_and_never_stricter(alpha, losses, wins, ties):
+    challenger, leader = _pairs(losses, wins, ties)
+    assert not worse_than(challenger, leader, alpha)
+    assert not worse_than(challenger, leader, alpha, population=10**6)
+    assert worse_than(challenger, leader, alpha, population=100)  # 24, 25 left: the hypergeometric p is 0.016, 0.065
+    for losses, wins in [(3, 0), (4, 0), (5, 0), (6, 2), (9, 3), (12, 5)]:
         for seen in (25, 50, 75):
-            plain = worse_than(*_pairs(losses, wins, seen - losses - wins))
-            assert not plain or worse_than(*_pairs(losses, wins, seen - losses - wins), population=100)
+            plain = worse_than(*_pairs(losses, wins, seen - losses - wins), alpha)
+            assert not plain or worse_than(*_pairs(losses, wins, seen - losses - wins), alpha, population=100)
 
 
-def test_finite_population_test_keeps_its_level_when_the_whole_valset_is_tied():
+@pytest.mark.parametrize("alpha", [0.05, ALPHA])
+def test_finite_population_test_keeps_its_level_when_the_whole_valset_is_tied(alpha):
     # A valset of 100 where the challenger and the leader tie overall (15 losses, 15 wins): over random
     # orders, a look at any prefix prunes the challenger in at most alpha of them.
     import random
@@ -125,8 +146,8 @@ def test_finite_population_test_keeps_its_level_when_the_whole_valset_is_tied():
         pruned = 0
         for _ in range(300):
             order = rng.sample(range(100), seen)
-            pruned += worse_than([challenger[i] for i in order], [leader[i] for i in order], population=100)
-        assert pruned / 300 <= 0.05 + 0.025, (seen, pruned)  # 0.025: Monte Carlo slack at 300 draws
+            pruned += worse_than([challenger[i] for i in order], [leader[i] for i in order], alpha, population=100)
+        assert pruned / 300 <= alpha + 0.025, (seen, pruned)  # 0.025: Monte Carlo slack at 300 draws
 
 
 def test_graded_scores_with_everything_scored_decide_by_the_sign():
@@ -188,10 +209,12 @@ def test_verdicts_say_why_each_candidate_was_pruned():
     assert set(median) == {2} and "median" in median[2]
 
 
-def test_the_default_looks_together_keep_the_level_on_a_tied_valset():
+@pytest.mark.parametrize("alpha, bound", [(0.05, 0.05 + 0.02),   # 16 of these 300 (0.053); 0.02: Monte Carlo slack
+                                          (ALPHA, 0.15)])         # 38 of 300 (0.127): the looks add about a quarter
+def test_the_stages_looks_together_stay_near_the_level_on_a_tied_valset(alpha, bound):
     # Each look is a level-alpha test; a candidate is looked at up to 17 times on a valset of 100. With
     # 15 + 15 discordant examples that tie overall, the chance that *some* look prunes it stays near
-    # alpha over random orders: 16 of these 300 (0.053).
+    # alpha over random orders (the search benchmark's tie_prune_rates: more at 35 + 35 discordant).
     import random
 
     challenger, leader = _pairs(15, 15, 70)
@@ -200,8 +223,8 @@ def test_the_default_looks_together_keep_the_level_on_a_tied_valset():
     for _ in range(orders):
         order = rng.sample(range(100), 100)
         c, lead = [challenger[i] for i in order], [leader[i] for i in order]
-        pruned += any(worse_than(c[:end], lead[:end], population=100) for end in ends[:-1])
-    assert pruned / orders <= 0.05 + 0.02, pruned  # 0.02: Monte Carlo slack at 300 orders
+        pruned += any(worse_than(c[:end], lead[:end], alpha, population=100) for end in ends[:-1])
+    assert pruned / orders <= bound, pruned
 
 
 def test_the_stage_looks_from_20_examples_with_confidence_and_from_a_quarter_otherwise():
@@ -230,9 +253,11 @@ def test_anytime_rule_prunes_a_clearly_worse_challenger_early():
     challenger, leader = _pairs(losses=50, wins=0, ties=50)
     order = [i for pair in zip(range(50), range(50, 100)) for i in pair]
     c, lead = [challenger[i] for i in order], [leader[i] for i in order]
-    first = next(end for end in range(1, 101) if anytime_worse(c[:end], lead[:end], population=100))
-    assert first <= 14  # 7 losses in 14 examples: log wealth 7 * log(1.6) = 3.3 >= log 20
-    assert not anytime_worse(c[:first - 1], lead[:first - 1], population=100)
+    # At most 7 losses in 14 examples at 5% (log wealth 7 * log(1.6) = 3.3 >= log 20), 5 in 10 at 10% (2.35 >= log 10).
+    for alpha, by in ((0.05, 14), (ALPHA, 10)):
+        first = next(end for end in range(1, 101) if anytime_worse(c[:end], lead[:end], alpha, population=100))
+        assert first <= by
+        assert not anytime_worse(c[:first - 1], lead[:first - 1], alpha, population=100)
 
 
 def test_anytime_rule_is_sure_when_the_challenger_cannot_catch_up():
@@ -243,17 +268,20 @@ def test_anytime_rule_is_sure_when_the_challenger_cannot_catch_up():
     # 3 behind after 80 of 100 (8 losses and 5 wins, mixed in): the 20 left may well hold 3 more wins.
     challenger, leader = [0.0, 1.0] * 5 + [0.0] * 3 + [1.0] * 67, [1.0, 0.0] * 5 + [1.0] * 3 + [1.0] * 67
     assert not anytime_worse(challenger, leader, population=100)
+    assert not anytime_worse(challenger, leader, 0.05, population=100)
     # The same 3 losses followed by 77 concordant examples are strong evidence: under a whole-valset tie
     # the 20 left would have to hold all 3 wins for the challenger: C(20, 3) / C(97, 3), about 1 in 125.
     assert anytime_worse(*_pairs(3, 0, 77), population=100)
     assert anytime_worse(*_pairs(1, 0, 99), population=100)      # everything scored: behind is behind
 
 
+@pytest.mark.parametrize("alpha, slack", [(0.05, 0.015), (ALPHA, 0.019)])  # 2 sd of a rate alpha at 1000 orders
 @pytest.mark.parametrize("discordant", [15, 35])
-def test_anytime_rule_keeps_its_level_over_every_look_on_a_tied_valset(discordant):
+def test_anytime_rule_keeps_its_level_over_every_look_on_a_tied_valset(discordant, alpha, slack):
     # A valset of 100 where the two tie overall. Looking after *every* example, over random orders, the
     # rule prunes the challenger in at most alpha of them (Ville's inequality; the per-look rules exceed
     # alpha over all their looks as discordance grows: the search benchmark's tie_prune_rates).
+    import math
     import random
 
     from flowopt.optimizers.search.pruning import evidence
@@ -264,8 +292,8 @@ def test_anytime_rule_keeps_its_level_over_every_look_on_a_tied_valset(discordan
         order = rng.sample(range(100), 100)
         wealth = evidence([challenger[i] for i in order], [leader[i] for i in order], population=100)
         # The same as asking anytime_worse at every prefix where the challenger trails, and more: any look.
-        pruned += max(wealth[:-1]) >= 2.995732  # log(1 / 0.05)
-    assert pruned / orders <= 0.05 + 0.015, pruned  # 0.015: Monte Carlo slack (2 sd) at 1000 orders; 4000 give ~4%
+        pruned += max(wealth[:-1]) >= math.log(1.0 / alpha)
+    assert pruned / orders <= alpha + slack, pruned  # 4000 orders give ~4% at alpha 0.05
 
 
 def test_anytime_rule_wants_scores_in_the_unit_interval():
@@ -281,6 +309,8 @@ def test_anytime_rule_says_why_and_looks_after_every_example():
 
     live = {0: [0.0] * 25, 1: [1.0] * 25, 2: [1.0] * 15 + [0.0] * 10}
     why = verdicts("anytime", live, {}, 25, incumbent=0, population=100)
+    assert set(why) == {2} and "worse than candidate 1 at 10% over every look" in why[2]
+    why = verdicts("anytime", live, {}, 25, incumbent=0, alpha=0.05, population=100)
     assert set(why) == {2} and "worse than candidate 1 at 5% over every look" in why[2]
     assert RandomSearch(pruner="anytime").rung_ends(100) == list(range(20, 101))
 
@@ -323,7 +353,7 @@ def test_stratified_p_is_the_worst_split_and_keeps_its_level_exactly():
                       + [1.0] * (6 - right_where_reference_right) + [0.0] * right_where_reference_right)
         assert sum(challenger) == 6
         prefixes = list(itertools.combinations(range(12), 6))
-        for alpha in (0.05, 0.2):
+        for alpha in (0.05, ALPHA, 0.2):
             rejected = 0
             for prefix in prefixes:
                 rest = [i for i in range(12) if i not in prefix]
@@ -355,7 +385,8 @@ def test_stratified_p_counts_each_stratum_from_the_reference_order():
     assert stratified_p(challenger, reference) == pytest.approx(best, rel=1e-9)
 
 
-def test_stratified_rule_keeps_its_level_at_each_look_on_a_tied_valset():
+@pytest.mark.parametrize("alpha", [0.05, ALPHA])
+def test_stratified_rule_keeps_its_level_at_each_look_on_a_tied_valset(alpha):
     # Each look is a level-alpha test (the guarantee). Over *all* looks the rate is higher than the
     # confidence rule's (its looks are less alike, and McNemar's is conservative with few discordant
     # pairs); the benchmark reports both (tie_prune_rates in benchmarks/results/search_generalisation).
@@ -369,8 +400,8 @@ def test_stratified_rule_keeps_its_level_at_each_look_on_a_tied_valset():
         pruned = 0
         for _ in range(orders):
             order = rng.sample(range(100), 100)
-            pruned += stratified_worse([challenger[i] for i in order[:seen]], [reference[i] for i in order])
-        assert pruned / orders <= 0.05 + 0.025, (seen, pruned)  # 0.025: Monte Carlo slack at 300 orders
+            pruned += stratified_worse([challenger[i] for i in order[:seen]], [reference[i] for i in order], alpha)
+        assert pruned / orders <= alpha + 0.025, (seen, pruned)  # 0.025: Monte Carlo slack at 300 orders
 
 
 def test_stratified_rule_tests_against_the_best_fully_scored_candidate_and_spares_the_incumbent():
