@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # Must happen before dspy is imported anywhere: dspy reads the cache folder at import time, and a
 # cache shared with earlier runs would answer LM calls that a test expects to reach its engine.
-os.environ.setdefault("DSPY_CACHEDIR", tempfile.mkdtemp(prefix="flowopt-test-dspy-cache-"))
+if "DSPY_CACHEDIR" not in os.environ:
+    os.environ["DSPY_CACHEDIR"] = tempfile.mkdtemp(prefix="flowopt-test-dspy-cache-")
+    # Removed when this process ends (each xdist worker makes its own), so runs leave no cache in /tmp.
+    atexit.register(shutil.rmtree, os.environ["DSPY_CACHEDIR"], ignore_errors=True)
 os.environ.setdefault("FLOWOPT_CACHE_DIR", os.path.expanduser("~/.cache/flowopt"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

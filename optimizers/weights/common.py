@@ -61,7 +61,9 @@ def adapter_name(stage: str, ctx: Any) -> str:
 
 def finish(program: dspy.Module, policy: Policy, ctx: Any, stage: str,
            world: World = SINGLE) -> tuple[dspy.Module, dict[str, Any]]:
-    """Save the adapter (under the stage's run folder, else a temporary folder) and bind it to the program.
+    """Save the adapter (under the stage's run folder, else in a new ``flowopt-{stage}-*`` folder under
+    ``tempfile.gettempdir()``) and bind it to the program. The temporary folder is not removed: the
+    returned program loads its adapter from there (and records that path).
 
     With several processes rank 0 writes it (every rank holds the same weights) and the others wait,
     then record its folder as where their adapter is saved.

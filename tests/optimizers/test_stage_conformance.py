@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import tempfile
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,7 +99,11 @@ _TINY: dict[str, Path] = {}  # the module's temporary folder
 @pytest.fixture(scope="module", autouse=True)
 def _module_folder(tmp_path_factory):
     _TINY["root"] = tmp_path_factory.mktemp("conformance")
-    yield
+    # The weights stages run without a run_dir keep their adapter under tempfile's folder (the compiled
+    # program loads it from there): keep those in pytest's temporary tree, which pytest prunes, not in /tmp.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("tempfile")))
+        yield
     while _LOCALS:
         _LOCALS.pop().close()
 

@@ -21,6 +21,16 @@ WORDS = [*cue_word.COLORS, *cue_word.ANIMALS, *cue_word.NOISE, *LABELS]
 
 
 @pytest.fixture(autouse=True)
+def _adapters_in_the_test_folder(monkeypatch, tmp_path_factory):
+    """A stage run without a run_dir saves its adapter under tempfile's folder and keeps it (the compiled
+    program loads it from there): point that folder into pytest's temporary tree, which pytest prunes,
+    instead of leaving a ``flowopt-{stage}-*`` folder in /tmp per test."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("tempfile")))
+
+
+@pytest.fixture(autouse=True)
 def _one_torch_thread():
     """Tiny models run fastest on one thread, and a shared 2-core machine is not oversubscribed."""
     import torch

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import dspy
@@ -41,7 +42,26 @@ def _length_metric(example, prediction, trace=None):
     return len(str(getattr(prediction, "word", "") or "")) / 10
 
 
-def _run(local, task, monkeypatch, settings):
+_late_done: set[tuple[int, int]] = set()  # rollouts already made late (the program is deep-copied every step)
+
+
+class _LateOnce(dspy.Module):
+    """The recorded program, with rollout ``late_key`` of the first step ``late_s`` late for its LM call."""
+
+    def __init__(self, predict: dspy.Module, late_key: tuple[int, int], late_s: float) -> None:
+        super().__init__()
+        self.predict, self.late_key, self.late_s = predict, late_key, late_s
+
+    def forward(self, **inputs):
+        from flowopt.optimizers.weights.rollout import _rollout_key
+
+        if _rollout_key() == self.late_key and self.late_key not in _late_done:
+            _late_done.add(self.late_key)
+            time.sleep(self.late_s)  # slow non-LM work: the other 7 rollouts already wait for the model
+        return self.predict(**inputs)
+
+
+def _run(local, task, monkeypatch, settings, late_s: float = 0.0):
     from flowopt.optimizers.weights import grpo as grpo_module
 
     rewards: list[float] = []
@@ -53,8 +73,11 @@ def _run(local, task, monkeypatch, settings):
         return value
 
     monkeypatch.setattr(grpo_module, "score_rollout", recording)
-    program = dspy.Predict(dspy.Signature("noise, cue -> word", "Answer."))
+    program: dspy.Module = dspy.Predict(dspy.Signature("noise, cue -> word", "Answer."))
     program.lm = local.lm
+    if late_s:
+        _late_done.clear()
+        program = _LateOnce(program, (1, 3), late_s)
     ctx = task.ctx(task.examples(16, seed=3), [], seed=11)
     ctx.metric = _length_metric  # graded rewards: every step has advantages to learn from
     stage = GRPO(steps=4, batch_size=2, group_size=4, max_new_tokens=3, learning_rate=2e-2,
@@ -71,15 +94,8 @@ def _run(local, task, monkeypatch, settings):
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_seeded_grpo_steps_repeat_the_recorded_rewards_and_adapter(make_tiny_local, task, monkeypatch, config):
-    import functools
-
-    from flowopt.lm import batching, engine
-
-    # A step's batch runs when all 8 rollouts wait, or after 0.5 s with whoever waits (so a call from an
-    # unknown thread never dead-locks). On a loaded machine a late rollout thread split a batch once in CI,
-    # which shifts the seeded stream's uniforms between rows: the run is reproducible only when the
-    # batches are the same, so this test waits for every rollout.
-    monkeypatch.setattr(engine, "LockstepBatcher", functools.partial(batching.LockstepBatcher, timeout_s=60.0))
+    # Each step's batches hold all 8 rollouts however late a rollout thread is (LockstepBatcher waits for
+    # known rollouts), so the seeded stream's draws fall on the same rows under load too.
     got = _run(make_tiny_local(), task, monkeypatch, CONFIGS[config])
     record = os.environ.get("FLOWOPT_RECORD_GRPO_REFERENCE")
     if record:
@@ -98,3 +114,14 @@ def test_seeded_grpo_steps_repeat_the_recorded_rewards_and_adapter(make_tiny_loc
     assert got["rewards"] == before_fix["rewards"]
     for key, stats in before_fix["adapter"].items():
         assert got["adapter"][key]["norm"] == pytest.approx(stats["norm"], rel=1e-4, abs=1e-6), key
+
+
+def test_a_rollout_late_by_more_than_the_batch_timeout_still_repeats_the_recording(make_tiny_local, task,
+                                                                                   monkeypatch):
+    # Rollout (1, 3) reaches its first call 0.8 s after the others (the lockstep timeout is 0.5 s): its
+    # batch still waits for it, so the draws fall on the same rows and the recorded run repeats exactly.
+    got = _run(make_tiny_local(), task, monkeypatch, CONFIGS["dapo"], late_s=0.8)
+    assert _late_done == {(1, 3)}  # the delay did happen, in a rollout of the first step
+    want = json.loads(REFERENCE.read_text())["forward-old"]["dapo"]
+    assert got["rewards"] == want["rewards"]
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-4, abs=1e-6)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import dspy
 import pytest
 
@@ -58,7 +61,7 @@ def _right(program, example, task) -> float:
         return 0.0
 
 
-def test_finetune_from_labels_only_learns_without_a_teacher(tiny_local, task):
+def test_finetune_from_labels_only_learns_without_a_teacher(tiny_local, task, tmp_path_factory):
     program = dspy.Predict(dspy.Signature("noise, cue -> word", "Answer."))
     program.lm = tiny_local.lm
     ctx = task.ctx(task.examples(24, seed=5), task.examples(16, seed=6), stage_name="finetune")
@@ -68,6 +71,13 @@ def test_finetune_from_labels_only_learns_without_a_teacher(tiny_local, task):
         after = sum(_right(out, ex, task) for ex in ctx.valset)
     assert ctx.info["label_pairs"] == 24 and ctx.info["teacher_runs"] == 0 and ctx.info["pairs"] == 24
     assert before <= 2 and after >= 8, (before, after)
+    # Without a run_dir the adapter goes to a fresh flowopt-finetune-* folder under tempfile's folder (the
+    # conftest points it into pytest's tree), kept after the stage since the returned program loads it.
+    saved = Path(ctx.info["adapter"])
+    assert saved.parent.parent == Path(tempfile.gettempdir()) and saved.parent.name.startswith("flowopt-finetune-")
+    assert Path(tempfile.gettempdir()).is_relative_to(tmp_path_factory.getbasetemp())
+    assert (saved / "adapter_model.safetensors").is_file()
+    assert out.lm.adapter_path == str(saved)  # what the program records and reloads
 
 
 def test_finetune_mix_adds_passing_teacher_traces_to_the_labels(tiny_local, task):
