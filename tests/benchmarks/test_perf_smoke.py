@@ -62,6 +62,16 @@ def _search_generalisation(r: dict[str, Any]) -> None:
                for rules in rates.values() for by in rules.values())
 
 
+def _hotpotqa_sft_vs_trl(r: dict[str, Any]) -> None:
+    assert r["pairs"] == 8 and set(r["test"]) == {"baseline", "flowopt", "trl"}
+    assert all(row["n"] == 3 and 0.0 <= row["score"] <= 1.0 for row in r["test"].values())
+    flowopt, trl = r["train"]["flowopt"], r["train"]["trl"]
+    assert flowopt["pairs"] == trl["pairs"] == 8 and flowopt["steps"] == trl["steps"] == 1
+    # LoRA's B starts at zero, so the first step's loss is the base model's on the same completion tokens:
+    # equal on both sides when they train on the same data with the same loss (bf16 rounding apart).
+    assert abs(flowopt["loss_curve"][0] - trl["loss_curve"][0]) < 0.05
+
+
 def _cpu_bf16_paths(r: dict[str, Any]) -> None:
     for key in ("lora_train_forward_backward_s_float32", "lora_train_forward_backward_s_bfloat16",
                 "lora_train_forward_backward_s_bfloat16_without_hook", "lm_head_strided_bf16_frozen_ms"):
@@ -136,6 +146,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "compile_vs_dspy": ((), _compile_vs_dspy),
     "search_generalisation": ((), _search_generalisation),
     "lm_throughput": ((), _lm_throughput),
+    "hotpotqa_sft_vs_trl": (("trl",), _hotpotqa_sft_vs_trl),
     "parse_rate": ((), _parse_rate),
     "cpu_bf16_paths": ((), _cpu_bf16_paths),
     "gemma_weights_demo": ((), _gemma_weights_demo),
