@@ -29,12 +29,14 @@ flowopt's compile resumes from ``--work``/flowopt (a ``flowopt bench`` stage fol
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from flowopt.benchmarks.perf.harness import Goal, PerfParser, markdown_table, setup_logging, start_run
+from flowopt.io import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +116,19 @@ def training_pairs(program: Any, trainset: list[Any], adapter: Any, local: Any,
 
 def train_trl(model: Any, tokenizer: Any, data: list[tuple[list[int], list[int]]], stage: Any,
               args: Any, folder: Path) -> dict[str, Any]:
-    """TRL's SFTTrainer with the stage's LoRA and optimiser settings; saves the adapter to ``folder/adapter``."""
+    """TRL's SFTTrainer with the stage's LoRA and optimiser settings; saves the adapter to ``folder/adapter``
+    and what the training did to ``folder/train.json``, which a rerun reuses instead of training again."""
     import torch
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
+    record = folder / "train.json"
+    if record.exists() and (folder / "adapter" / "adapter_config.json").exists():
+        kept: dict[str, Any] = json.loads(record.read_text())
+        if kept["pairs"] != len(data):
+            raise RuntimeError(f"{record} is a run on {kept['pairs']} pairs, not {len(data)}: use another --work")
+        logger.info("TRL: reusing the adapter trained earlier in %s", folder)
+        return {**kept, "reused": True}
     rows = [{"input_ids": p + c, "labels": [-100] * len(p) + c} for p, c in data]
     bf16 = next(model.parameters()).dtype == torch.bfloat16
     config = SFTConfig(
@@ -137,8 +147,10 @@ def train_trl(model: Any, tokenizer: Any, data: list[tuple[list[int], list[int]]
     losses = [round(entry["loss"], 5) for entry in trainer.state.log_history if "loss" in entry]
     logger.info("TRL: %d pairs, %d steps in %.0f s, loss %.4f -> %.4f", len(data), len(losses), wall, losses[0],
                 losses[-1])
-    return {"pairs": len(data), "steps": len(losses), "train_wall_s": round(wall, 1), "train_cpu_s": round(cpu, 1),
-            "loss_curve": losses}
+    result = {"pairs": len(data), "steps": len(losses), "train_wall_s": round(wall, 1), "train_cpu_s": round(cpu, 1),
+              "loss_curve": losses}
+    atomic_write_json(record, result)
+    return result
 
 
 def with_adapter(program: Any, local: Any, folder: Path) -> Any:
@@ -227,9 +239,11 @@ def report_body(r: dict[str, Any], args: Any) -> list[str]:
         f"* flowopt vs TRL, paired on the same questions: {change(p['flowopt - trl'])} AFlow F1.",
         f"* Training wall time flowopt / TRL: {r['train_time_ratio_flowopt_vs_trl']:.2f} ({r['dtype']} weights, "
         f"{r['train']['flowopt']['steps']} optimizer steps each). "
-        + ("flowopt's stage was resumed from an earlier run's folder, so its time was measured then, under that "
-           "run's load, not beside TRL's." if f["resumed"] else
-           "Both trained in this run, one after the other, under the load recorded above."),
+        + ("Not both trained in this run (" + ", ".join(
+            f"{side}'s training was reused from an earlier run in `--work`" for side, reused in
+            (("flowopt", f["resumed"]), ("TRL", train["trl"].get("reused", False))) if reused)
+           + "): its time was measured then, under that run's load." if f["resumed"] or train["trl"].get("reused")
+           else "Both trained in this run, one after the other, under the load recorded above."),
         f"* flowopt's compile also checked the stage on {args.dev} dev questions (F1 {f['dev']['before']:.3f} -> "
         f"{f['dev']['after']:.3f}, kept: {f['kept_on_dev']}); the table scores the trained program either way.",
         "* Both loss curves are in the JSON (`train.*.loss_curve`, one value per optimizer step). TRL's logged "
