@@ -29,6 +29,7 @@ flowopt's compile resumes from ``--work``/flowopt (a ``flowopt bench`` stage fol
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import time
@@ -123,10 +124,11 @@ def train_trl(model: Any, tokenizer: Any, data: list[tuple[list[int], list[int]]
     from trl import SFTConfig, SFTTrainer
 
     record = folder / "train.json"
+    fingerprint = hashlib.sha256(json.dumps([data, config_key(stage, args)]).encode()).hexdigest()
     if record.exists() and (folder / "adapter" / "adapter_config.json").exists():
         kept: dict[str, Any] = json.loads(record.read_text())
-        if kept["pairs"] != len(data):
-            raise RuntimeError(f"{record} is a run on {kept['pairs']} pairs, not {len(data)}: use another --work")
+        if kept.get("fingerprint") != fingerprint:
+            raise RuntimeError(f"{folder} holds a TRL run on other pairs or settings: pass another --work")
         logger.info("TRL: reusing the adapter trained earlier in %s", folder)
         return {**kept, "reused": True}
     rows = [{"input_ids": p + c, "labels": [-100] * len(p) + c} for p, c in data]
@@ -148,9 +150,15 @@ def train_trl(model: Any, tokenizer: Any, data: list[tuple[list[int], list[int]]
     logger.info("TRL: %d pairs, %d steps in %.0f s, loss %.4f -> %.4f", len(data), len(losses), wall, losses[0],
                 losses[-1])
     result = {"pairs": len(data), "steps": len(losses), "train_wall_s": round(wall, 1), "train_cpu_s": round(cpu, 1),
-              "loss_curve": losses}
+              "loss_curve": losses, "fingerprint": fingerprint}
     atomic_write_json(record, result)
     return result
+
+
+def config_key(stage: Any, args: Any) -> list[Any]:
+    """What TRL's training depends on besides the pairs: a rerun reuses an adapter only when these match."""
+    return [stage.epochs, stage.learning_rate, stage.batch_size, stage.lr_schedule, stage.warmup_steps,
+            stage.weight_decay, stage.max_grad_norm, repr(stage.lora), args.seed]
 
 
 def with_adapter(program: Any, local: Any, folder: Path) -> Any:
@@ -239,16 +247,21 @@ def report_body(r: dict[str, Any], args: Any) -> list[str]:
         f"* flowopt vs TRL, paired on the same questions: {change(p['flowopt - trl'])} AFlow F1.",
         f"* Training wall time flowopt / TRL: {r['train_time_ratio_flowopt_vs_trl']:.2f} ({r['dtype']} weights, "
         f"{r['train']['flowopt']['steps']} optimizer steps each). "
-        + ("Not both trained in this run (" + ", ".join(
-            f"{side}'s training was reused from an earlier run in `--work`" for side, reused in
-            (("flowopt", f["resumed"]), ("TRL", train["trl"].get("reused", False))) if reused)
-           + "): its time was measured then, under that run's load." if f["resumed"] or train["trl"].get("reused")
-           else "Both trained in this run, one after the other, under the load recorded above."),
+        + timing_note(f["resumed"], train["trl"].get("reused", False)),
         f"* flowopt's compile also checked the stage on {args.dev} dev questions (F1 {f['dev']['before']:.3f} -> "
         f"{f['dev']['after']:.3f}, kept: {f['kept_on_dev']}); the table scores the trained program either way.",
         "* Both loss curves are in the JSON (`train.*.loss_curve`, one value per optimizer step). TRL's logged "
         "loss is the mean over the step's completion tokens, as flowopt's is.",
     ]
+
+
+def timing_note(flowopt_reused: bool, trl_reused: bool) -> str:
+    """Whether the two training times were measured side by side, in this run."""
+    reused = [side for side, was in (("flowopt", flowopt_reused), ("TRL", trl_reused)) if was]
+    if not reused:
+        return "Both trained in this run, one after the other, under the load recorded above."
+    return (f"Not both trained in this run ({' and '.join(reused)} reused an earlier run's training in `--work`): "
+            "a reused side's time was measured then, under that run's load.")
 
 
 def goals(r: dict[str, Any]) -> list[Goal]:
