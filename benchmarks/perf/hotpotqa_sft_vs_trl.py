@@ -87,11 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         del base_model
         trl_program = with_adapter(plan.program, local, args.work / "trl" / "adapter")
         flowopt_run, flowopt_program = train_flowopt(plan, args)
+        if flowopt_run["pairs"] != len(data):  # checked before the long scoring, not after it
+            raise RuntimeError(f"flowopt trained on {flowopt_run['pairs']} pairs, TRL on {len(data)}: "
+                               "not the same data")
         tests = {"baseline": scorer.score(plan.program, plan.testset, "baseline"),
                  "flowopt": scorer.score(flowopt_program, plan.testset, "flowopt finetune"),
                  "trl": scorer.score(trl_program, plan.testset, "TRL SFT")}
-    if flowopt_run["pairs"] != len(data):
-        raise RuntimeError(f"flowopt trained on {flowopt_run['pairs']} pairs, TRL on {len(data)}: not the same data")
     local.close()
 
     results = summarise(tests, flowopt_run, trl_run, data, trl.__version__, stage, str(dtype).removeprefix("torch."))
@@ -104,15 +105,10 @@ def training_pairs(program: Any, trainset: list[Any], adapter: Any, local: Any,
                    max_length: int) -> list[tuple[list[int], list[int]]]:
     """The (prompt ids, completion ids) pairs BootstrapFinetune(labels="only") trains on, built by its own code."""
     from flowopt.optimizers.weights.policy import Policy
+    from flowopt.optimizers.weights.sft import token_pairs
     from flowopt.optimizers.weights.traces import label_pairs
 
-    policy = Policy(local)
-    data = []
-    for pair in label_pairs(program, trainset, adapter):
-        prompt, completion = policy.render(pair.messages), policy.completion_ids(pair.completion)
-        if len(prompt) + len(completion) <= max_length:
-            data.append((prompt, completion))
-    return data
+    return token_pairs(Policy(local), label_pairs(program, trainset, adapter), max_length)
 
 
 def train_trl(model: Any, tokenizer: Any, data: list[tuple[list[int], list[int]]], stage: Any,

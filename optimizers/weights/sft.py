@@ -90,6 +90,17 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
     return losses
 
 
+def token_pairs(policy: Policy, pairs: Sequence[Any], max_length: int) -> list[tuple[list[int], list[int]]]:
+    """``(prompt_ids, completion_ids)`` of each :class:`~.traces.TracePair` as the student sees it, leaving out
+    the pairs longer than ``max_length`` tokens in all (what :func:`sft_train` learns from)."""
+    data = []
+    for pair in pairs:
+        prompt, completion = policy.render(pair.messages), policy.completion_ids(pair.completion)
+        if len(prompt) + len(completion) <= max_length:
+            data.append((prompt, completion))
+    return data
+
+
 @dataclass(frozen=True)
 class BootstrapFinetune(Stage):
     """Distil the program into a LoRA on the student ``LocalLM`` from the teacher's passing traces.
@@ -171,11 +182,7 @@ class BootstrapFinetune(Stage):
             ctx.record(stop_reason=f"budget: {err.limit}")
             return program
         trace_seconds = time.monotonic() - started
-        data = []
-        for pair in pairs:
-            prompt, completion = policy.render(pair.messages), policy.completion_ids(pair.completion)
-            if len(prompt) + len(completion) <= self.max_length:
-                data.append((prompt, completion))
+        data = token_pairs(policy, pairs, self.max_length)
         info: dict[str, Any] = {"label_pairs": n_labels, "teacher_runs": stats.runs, "teacher_passed": stats.passed,
                                 "teacher_failed": stats.failed_runs, "pairs": len(data),
                                 "pairs_too_long": len(pairs) - len(data)}
