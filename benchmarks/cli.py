@@ -24,7 +24,9 @@ def bench_parser(sub: argparse._SubParsersAction | None = None) -> argparse.Argu
                         help="model: gemma-3-270m (embedded, CPU), a local model folder, or any litellm "
                              "name such as openai/gpt-4o-mini (default: %(default)s)")
     parser.add_argument("--api-base", default=None, help="OpenAI-compatible endpoint (vLLM, Ollama, flowopt serve)")
-    parser.add_argument("--program", default="cot", help="predict, cot or workflow (default: %(default)s)")
+    parser.add_argument("--program", default="cot",
+                        help="predict, cot or workflow (default: %(default)s), or a saved program (an earlier "
+                             "run's compiled.json) for the stages to continue from")
     parser.add_argument("--stages", default="search",
                         help="comma-separated compile stages (labeled, demos, search, structure, finetune, grpo), "
                              "or 'none' to score the baseline only (default: %(default)s)")

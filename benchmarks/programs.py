@@ -11,9 +11,11 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from flowopt import Workflow
 from flowopt.errors import ConfigError
+from flowopt.ir import load
 from flowopt.modules import ChainOfThought, Predict, Programmer, Refine, Retrieve
 
 from .datasets import get_protocol
@@ -71,8 +73,24 @@ def program_names(protocol: str) -> list[str]:
 
 
 def build_program(protocol: str, name: str) -> Workflow:
-    """A fresh baseline program for ``protocol`` (``predict``, ``cot`` or ``workflow``)."""
+    """A fresh baseline program for ``protocol`` (``predict``, ``cot`` or ``workflow``), or the saved program
+    in the ``.json`` file ``name`` (an earlier run's ``compiled.json``: later stages continue from it)."""
     proto = get_protocol(protocol)
+    if name.endswith(".json"):
+        return _saved_program(proto.name, Path(name))
     if name not in PROGRAMS:
-        raise ConfigError(f"unknown program {name!r} for {proto.name}", fix=f"use one of {list(PROGRAMS)}")
+        raise ConfigError(f"unknown program {name!r} for {proto.name}",
+                          fix=f"use one of {list(PROGRAMS)}, or a program file saved by Workflow.save")
     return _BUILDERS[proto.name](name)
+
+
+def _saved_program(protocol: str, path: Path) -> Workflow:
+    """A saved workflow whose inputs and outputs are those of ``protocol``'s programs."""
+    program = load(path)  # refuses a file that routes credentials (api_base and the like) on its own
+    expected = _BUILDERS[protocol]("predict").io
+    got = (program.io.input_names, program.io.output_names)
+    if got != (expected.input_names, expected.output_names):
+        raise ConfigError(f"the program in {path} maps {got[0]} -> {got[1]}, but {protocol}'s examples give "
+                          f"{expected.input_names} -> {expected.output_names}",
+                          fix=f"pass a program saved from a {protocol} run (its compiled.json)")
+    return program

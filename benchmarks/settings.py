@@ -124,7 +124,7 @@ def plan_bench(args: argparse.Namespace) -> BenchPlan:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder", fix="pass a folder path (new or an earlier run's)")
-    if args.resume and not (out / "results.json").exists() and not (out / "run").exists():
+    if args.resume and not any((out / name).exists() for name in ("results.json", "run", "evals")):
         raise ConfigError(f"--resume: {out} holds no earlier run", fix="drop --resume or point --out at an earlier run")
     _check_numbers(args)
     if args.labels == "only" and args.teacher:

@@ -1,6 +1,7 @@
 """`flowopt bench` end to end with a scripted LM: every output file, and --resume pays for nothing twice."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -8,7 +9,9 @@ import pytest
 
 from flowopt.benchmarks import cli, runner
 from flowopt.benchmarks.datasets import load_split
+from flowopt.modules import Predict
 from flowopt.testing import scripted_lm
+from flowopt.workflow import Workflow
 
 GOLD = {ex.question: ex.answer for split in ("val", "test") for ex in load_split("gsm8k-aflow", split)}
 
@@ -171,6 +174,7 @@ def test_threads_reach_compile(tmp_path, scripted, monkeypatch):
     (["--train", "300"], "exceeds the 264 examples", "lower --train"),
     (["--test", "2000"], "exceeds the 1055 examples", "--test 1055"),
     (["--program", "magic"], "unknown program 'magic'", "use one of"),
+    (["--program", "missing.json"], "no workflow file at missing.json", "save one with Workflow.save"),
     (["--resume"], "holds no earlier run", "drop --resume"),
     (["--stages", "finetune", "--student", "no-such-model"], "neither an embedded model", "--student gemma-3-270m"),
     (["--stages", "finetune", "--labels", "only", "--teacher", "openai/gpt-4o-mini"], "contradict", "--labels mix"),
@@ -330,3 +334,29 @@ def test_a_kept_stage_reports_its_test_score_as_its_own(tmp_path, scripted):
     assert demos["kept"] is True
     assert demos["own"]["score"] == demos["test"]["score"] == 1.0
     assert demos["own"]["change"]["mean"] == 1.0
+
+
+def test_a_saved_program_continues_where_its_run_stopped(tmp_path, scripted):
+    """``--program compiled.json`` starts the stages from an earlier run's program; the earlier run's test
+    scores of that program are reused (evals/ alone is enough for --resume), so it is not scored again."""
+    assert bench(tmp_path / "first") == 0
+    first = json.loads((tmp_path / "first" / "results.json").read_text())
+    second = tmp_path / "second"
+    second.mkdir()
+    shutil.copytree(tmp_path / "first" / "evals", second / "evals")
+    calls = scripted.engine.calls
+    saved = str(tmp_path / "first" / "compiled.json")
+    assert bench(second, "--program", saved, "--stages", "none", "--resume") == 0
+    assert scripted.engine.calls == calls
+    results = json.loads((second / "results.json").read_text())
+    assert results["test"]["baseline"] == first["test"]["compiled"]
+    assert results["test"]["baseline"]["score"] == 1.0  # the demos the first run compiled are in the program
+
+
+def test_a_saved_program_of_another_protocol_is_refused(tmp_path, scripted, caplog):
+    other = Workflow("question, context: list[str] -> answer").add(
+        "answer", Predict("question, context: list[str] -> answer"))
+    other.save(tmp_path / "hotpot.json")
+    assert bench(tmp_path / "run", "--program", str(tmp_path / "hotpot.json")) == 2
+    assert "maps ['question', 'context'] -> ['answer']" in caplog.text
+    assert "saved from a gsm8k-aflow run" in caplog.text and not (tmp_path / "run").exists()
