@@ -91,7 +91,7 @@ def program_from_data(data: dict[str, Any], base: Any) -> Any:
         if _is_workflow(base):
             for name, lm in base.lms.items():
                 if name in wf.lms:
-                    wf.lms[name] = lm
+                    wf.lms[name] = _bind_base_lm(wf.lms[name], lm, wf.weights.get(name))
         # Entries the caller did not bind come from the run folder, which may be shared or edited.
         refuse_loaded_endpoints(wf.lms, source="a checkpoint in the run folder")
         return wf
@@ -104,6 +104,31 @@ def program_from_data(data: dict[str, Any], base: Any) -> Any:
         predictor.lm = _restore_lm(saved_lms.get(name), lms.get(name), name=name)
         predictor.config = dict(data.get("configs", {}).get(name, predictor.config))
     return program
+
+
+def _bind_base_lm(saved: Any, base_lm: Any, weights: Any) -> Any:
+    """The LM a saved workflow's ``lms`` entry runs on when the caller's program binds ``base_lm`` to it.
+
+    The caller's LM wins (a checkpoint in a shared run folder cannot redirect it), with one exception: an
+    entry that differs from ``base_lm``'s LocalLM only in its adapter is a weights stage's output (GRPO
+    trained from the fine-tuned program), so it runs on that same LocalLM with the saved adapter, checked
+    against the sha256 the program recorded; binding the caller's LM would run the input's weights.
+    """
+    from flowopt.lm.pinned import saved_adapter_lm
+    from flowopt.lm.shared import local_of
+    from flowopt.lm_spec import lm_to_spec
+
+    local = local_of(base_lm)
+    if local is None or not isinstance(saved, dict) or not saved.get("adapter"):
+        return base_lm
+    try:
+        current = lm_to_spec(base_lm)
+    except FlowoptError:
+        return base_lm  # the base LM cannot be described, so nothing shows the entry is another one
+    if current == saved or {**current, "adapter": None} != {**saved, "adapter": None}:
+        return base_lm
+    recorded = weights.get("sha256") if isinstance(weights, dict) else None
+    return saved_adapter_lm(local, saved["adapter"], sha256=recorded)
 
 
 def _restore_lm(spec: dict[str, Any] | None, base_lm: Any, *, name: str) -> Any:

@@ -10,10 +10,11 @@ its cache key names the adapter's weights, and its workflow-IR entry names the a
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
-from flowopt.errors import ConfigError
+from flowopt.errors import ConfigError, LMError
 from flowopt.lm.engine import LocalDSPyLM, LocalEngine
 
 
@@ -70,3 +71,36 @@ class AdapterLM(LocalDSPyLM):
                     "max_new_tokens": local.max_new_tokens, "temperature": local.temperature}
         spec["adapter"] = self.adapter_path
         return spec
+
+
+def adapter_sha256(folder: str | Path) -> str:
+    """sha256 of an adapter folder's weights file (what the IR records to pin the adapter)."""
+    digest = hashlib.sha256()
+    with open(Path(folder) / "adapter_model.safetensors", "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def saved_adapter_lm(local: Any, folder: str | Path, *, sha256: str | None = None) -> AdapterLM:
+    """An :class:`AdapterLM` on ``local`` for the adapter saved in ``folder``: the attached adapter last saved
+    there if there is one, else the folder attached now (pinned, not made the default). ``sha256``, when
+    given, is what the program recorded; other weights raise :class:`LMError` rather than run unnoticed.
+
+    Example:
+        >>> lm = saved_adapter_lm(local, "run/stages/01-grpo/adapter")  # doctest: +SKIP
+    """
+    path = Path(folder).resolve()
+    if not (path / "adapter_model.safetensors").is_file():
+        raise LMError(f"no adapter weights at {path} (adapter_model.safetensors missing)",
+                      fix="point the program at the adapter folder its weights stage saved, or re-run that stage")
+    actual = adapter_sha256(path)
+    if sha256 is not None and actual != sha256:
+        raise LMError(f"the adapter at {path} has sha256 {actual[:12]}, not the {sha256[:12]} the program recorded",
+                      fix="restore the stage's adapter folder, or re-run that stage")
+    name = next((n for n in local.adapters if local.adapter_path(n) == path), None)
+    if name is None:
+        name = f"saved-{actual[:12]}"
+        if name not in local.adapters:
+            local.load_adapter(path, name, activate=False)
+    return AdapterLM(local, name, path=path, sha256=actual)

@@ -8,8 +8,9 @@ from typing import Any
 
 import dspy
 
+from flowopt.lm.pinned import adapter_sha256
 from flowopt.optimizers.weights.distributed import SINGLE, World
-from flowopt.optimizers.weights.policy import LoraSettings, Policy, adapter_sha256
+from flowopt.optimizers.weights.policy import LoraSettings, Policy
 from flowopt.optimizers.weights.student import attach, find_local
 
 logger = logging.getLogger(__name__)

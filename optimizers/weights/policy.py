@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from flowopt.errors import ConfigError
+from flowopt.lm.pinned import adapter_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -224,12 +224,3 @@ class Policy:
         if not weights.is_file():
             raise ConfigError(f"no adapter weights at {weights}", fix="point at a folder written by save_adapter")
         self.load_adapter_state(load_file(str(weights)))
-
-
-def adapter_sha256(folder: str | Path) -> str:
-    """sha256 of an adapter folder's weights file (what the IR records to pin the adapter)."""
-    digest = hashlib.sha256()
-    with open(Path(folder) / "adapter_model.safetensors", "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -257,3 +257,34 @@ def test_the_student_is_the_configured_local_model_when_predictors_name_none(tin
     hosted.lm = dspy.LM("openai/some-hosted-model")
     with dspy.context(lm=tiny_local.lm):  # a predictor's own LM comes first, the configured one last
         assert resolve_policy(None, hosted, LoraSettings(r=4))[0].local is tiny_local
+
+
+def test_a_rejected_grpo_output_runs_on_its_own_adapter_not_its_inputs(tiny_saved_local, task, tmp_path):
+    """As ``flowopt bench`` runs the layers: GRPO compiles from the fine-tuned program, and the program it
+    returned is rebuilt from its run folder to be scored whether kept or not. That program must run on
+    GRPO's adapter; binding the input program's LM by name would score the fine-tuned weights again."""
+    from flowopt.compiler import saved_output
+    from flowopt.errors import LMError
+
+    wf = _workflow(tiny_saved_local.lm.copy(cache=False))
+    trainset, valset = task.examples(24, seed=11), task.examples(8, seed=12)
+    with dspy.context(adapter=AutoAdapter()):
+        tuned = flowopt.compile(wf, trainset, task.metric, valset=valset, run_dir=tmp_path / "ft", quiet=True,
+                                stages=[BootstrapFinetune(teacher=_teacher(task), epochs=6, learning_rate=1e-2,
+                                                          lora=LORA)])
+        flowopt.compile(tuned, trainset, task.metric, valset=valset, run_dir=tmp_path / "grpo", quiet=True,
+                        stages=[GRPO(steps=2, batch_size=2, group_size=4, max_new_tokens=2, learning_rate=1e-2,
+                                     lora=LORA)])
+    output = saved_output(tmp_path / "grpo", 0, "grpo", tuned)
+    grpo_folder = (tmp_path / "grpo" / output.weights["student"]["adapter"]).resolve()
+    assert output.weights["student"]["sha256"] != tuned.weights["student"]["sha256"]
+    lm = output.lms["student"]
+    assert lm.sha256 == output.weights["student"]["sha256"] and lm.adapter_path == str(grpo_folder)
+    assert tiny_saved_local.adapter_path(lm.engine.adapter) == grpo_folder  # calls are pinned to it
+    assert output.lms["student"] is not tuned.lms["student"]
+    # the same rebuild of the fine-tuned stage's own output keeps the caller's LM: nothing differs
+    assert saved_output(tmp_path / "ft", 0, "finetune", tuned).lms["student"] is tuned.lms["student"]
+    # weights that are not the ones the program recorded are refused, not run
+    (grpo_folder / "adapter_model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(LMError, match=r"not the .* the program recorded"):
+        saved_output(tmp_path / "grpo", 0, "grpo", tuned)
