@@ -57,3 +57,22 @@ def test_an_lm_that_cannot_be_described_falls_back_to_the_base_one_with_a_warnin
     assert "check" not in data["lms"]
     assert any("cannot be described" in r.getMessage() for r in caplog.records)
     assert program_from_data(data, base).check.lm is fallback
+
+
+def test_a_loaded_programs_student_entry_yields_only_to_another_adapter_of_the_same_model():
+    """A program loaded from a file holds its LM entries as descriptions. A weights stage's output saved
+    from it names another adapter of the same model: that entry is kept (it runs the stage's weights),
+    while any other change to the entry still yields to the caller's."""
+    from flowopt.lm_spec import LoadedLMSpec
+    from flowopt.modules import Predict
+    from flowopt.workflow import Workflow
+
+    spec = {"model": "local/gemma-3-270m", "source": "gemma-3-270m", "adapter": "/runs/a/finetune/adapter",
+            "max_new_tokens": 8, "temperature": 0.0}
+    base = Workflow("question -> answer", lms={"student": LoadedLMSpec(spec)}).add(
+        "solve", Predict("question -> answer"), lm="student")
+    data = json.loads(json.dumps(program_to_data(base)))
+    data["workflow"]["lms"]["student"]["adapter"] = "/runs/b/grpo/adapter"
+    assert program_from_data(data, base).lms["student"]["adapter"] == "/runs/b/grpo/adapter"
+    data["workflow"]["lms"]["student"]["max_new_tokens"] = 512  # more than the adapter differs now
+    assert program_from_data(data, base).lms["student"] is base.lms["student"]
