@@ -61,6 +61,9 @@ def bench_parser(sub: argparse._SubParsersAction | None = None) -> argparse.Argu
     weights.add_argument("--labels", choices=("none", "only", "mix"), default="none",
                          help="finetune on the gold labels: 'only' (no teacher), 'mix' (with passing teacher "
                               "traces) or 'none' (default: %(default)s)")
+    weights.add_argument("--exclude-demos", action="store_true",
+                         help="finetune on prompts without the demos earlier stages attached, and drop them "
+                              "from the fine-tuned program (DSPy's BootstrapFinetune(exclude_demos=True))")
     weights.add_argument("--epochs", type=int, default=3, help="finetune epochs (default: %(default)s)")
     weights.add_argument("--grpo-steps", type=int, default=20, help="GRPO optimizer steps (default: %(default)s)")
     weights.add_argument("--group-size", type=int, default=4,

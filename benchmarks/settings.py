@@ -110,7 +110,8 @@ def build_stage(name: str, args: argparse.Namespace) -> Any:
 
             teacher, _ = make_lm(args.teacher, api_base=args.api_base, max_tokens=args.max_tokens)
         return BootstrapFinetune(student=args.student, teacher=teacher, epochs=args.epochs,
-                                 labels=None if args.labels == "none" else args.labels)
+                                 labels=None if args.labels == "none" else args.labels,
+                                 exclude_demos=args.exclude_demos)
     if name == "grpo":
         from flowopt.optimizers.weights import GRPO
 
@@ -134,6 +135,9 @@ def plan_bench(args: argparse.Namespace) -> BenchPlan:
         raise ConfigError(f"--student {args.student!r} is neither an embedded model nor a model folder",
                           fix=f"pass --student {next(iter(_embedded()))} or a folder with a transformers model")
     names = parse_stage_names(args.stages)
+    if args.exclude_demos and "finetune" not in names:
+        raise ConfigError("--exclude-demos only applies to the finetune stage, which --stages lacks",
+                          fix="add finetune to --stages or drop --exclude-demos")
     if args.labels != "none" and "finetune" not in names:
         raise ConfigError(f"--labels {args.labels} only applies to the finetune stage, which --stages lacks",
                           fix="add finetune to --stages or drop --labels")

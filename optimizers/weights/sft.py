@@ -111,7 +111,9 @@ class BootstrapFinetune(Stage):
     ``metric >= metric_threshold`` (truthy when ``None``). ``labels``: ``None`` (teacher traces only),
     ``"only"`` (the gold labels are the teacher: answers, and a gold rationale such as GSM8K's
     ``solution`` for a ``reasoning`` field; no teacher call is made) or ``"mix"`` (labels and passing
-    teacher traces together).
+    teacher traces together). ``exclude_demos`` (DSPy's option): train on prompts without the predictors'
+    demos and return the program without them (the teacher still runs with its demos); a small student
+    can learn the task from the weights better than from demos it must read at every call.
 
     Example:
         >>> import flowopt
@@ -140,6 +142,7 @@ class BootstrapFinetune(Stage):
     lora: LoraSettings = field(default_factory=LoraSettings)
     adapter: Any = None
     labels: str | None = None
+    exclude_demos: bool = False
 
     def __post_init__(self) -> None:
         check_stage(self, {
@@ -172,7 +175,7 @@ class BootstrapFinetune(Stage):
         adapter = rollout_adapter(self.adapter, policy)
         started = time.monotonic()
         try:
-            pairs = label_pairs(program, ctx.trainset, adapter) if self.labels else []
+            pairs = label_pairs(program, ctx.trainset, adapter, exclude_demos=self.exclude_demos) if self.labels else []
             n_labels = len(pairs)
             stats = TraceStats()
             if self.labels != "only":
@@ -211,6 +214,9 @@ class BootstrapFinetune(Stage):
                 progress.close()
         ctx.logger.info("finetune: %d pairs, %d steps, loss %.4f -> %.4f", len(data), len(losses), losses[0],
                         losses[-1])
+        if self.exclude_demos:
+            for _, predictor in program.named_predictors():
+                predictor.demos = []
         program, saved = finish(program, policy, ctx, self.name, world)
         info.update(saved, stop_reason="done", loss_curve=[round(x, 5) for x in losses],
                     trace_seconds=round(trace_seconds, 2), train_seconds=round(time.monotonic() - t0, 2))
@@ -228,7 +234,8 @@ class BootstrapFinetune(Stage):
             with ctx.budget.guard():
                 traced, stats = teacher_pairs(self._teacher(program), examples, ctx.metric, adapter,
                                               metric_threshold=self.metric_threshold,
-                                              num_threads=getattr(ctx, "num_threads", 8))
+                                              num_threads=getattr(ctx, "num_threads", 8),
+                                              exclude_demos=self.exclude_demos)
         except BudgetExhausted as err:
             error = err
         agree_on_budget(world, error)

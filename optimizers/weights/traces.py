@@ -62,8 +62,10 @@ def _continuation(messages: list[dict[str, Any]], completion: str) -> str:
 
 
 def teacher_pairs(teacher: dspy.Module, examples: Sequence[Any], metric: Callable[..., Any], adapter: Any, *,
-                  metric_threshold: float | None = None, num_threads: int = 8) -> tuple[list[TracePair], TraceStats]:
+                  metric_threshold: float | None = None, num_threads: int = 8,
+                  exclude_demos: bool = False) -> tuple[list[TracePair], TraceStats]:
     """Run ``teacher`` on ``examples``; return the pairs of passing runs and counts of what happened.
+    ``exclude_demos``: the teacher runs with its demos, the pairs' prompts carry none (DSPy's option).
 
     Example:
         >>> pairs, stats = teacher_pairs(program, trainset, metric, dspy.ChatAdapter())  # doctest: +SKIP
@@ -101,7 +103,7 @@ def teacher_pairs(teacher: dspy.Module, examples: Sequence[Any], metric: Callabl
         stats.passed += 1
         for predictor, inputs, outputs in trace:
             values = outputs.toDict() if hasattr(outputs, "toDict") else dict(outputs)
-            demos = [d.toDict() if hasattr(d, "toDict") else dict(d) for d in predictor.demos]
+            demos = [] if exclude_demos else [d.toDict() if hasattr(d, "toDict") else dict(d) for d in predictor.demos]
             messages = adapter.format(predictor.signature, demos, dict(inputs))
             completion = _continuation(messages, adapter.format_assistant_message_content(predictor.signature, values))
             pairs.append(TracePair(names.get(id(predictor), "?"),
@@ -174,8 +176,10 @@ def _labelled_calls(program: dspy.Module, example: Any) -> list[tuple[Any, dict[
     return calls
 
 
-def label_pairs(program: dspy.Module, examples: Sequence[Any], adapter: Any) -> list[TracePair]:
-    """Pairs whose completions are the gold labels: the call that gives the answer, on every example.
+def label_pairs(program: dspy.Module, examples: Sequence[Any], adapter: Any, *,
+                exclude_demos: bool = False) -> list[TracePair]:
+    """Pairs whose completions are the gold labels: the call that gives the answer, on every example
+    (prompts without the predictors' demos when ``exclude_demos``).
 
     Raises :class:`ConfigError` when an example does not label an output field of that call (e.g. a
     ``reasoning`` field and no gold rationale).
@@ -199,7 +203,7 @@ def label_pairs(program: dspy.Module, examples: Sequence[Any], adapter: Any) -> 
                     f"({list(predictor.signature.output_fields)}): a reasoning field needs a gold rationale",
                     fix="use labels='mix' with a teacher, or a program whose answer node outputs only labelled "
                         "fields (e.g. Predict instead of ChainOfThought)")
-            demos = [d.toDict() if hasattr(d, "toDict") else dict(d) for d in predictor.demos]
+            demos = [] if exclude_demos else [d.toDict() if hasattr(d, "toDict") else dict(d) for d in predictor.demos]
             messages = adapter.format(predictor.signature, demos, inputs)
             completion = _continuation(messages, adapter.format_assistant_message_content(predictor.signature, outputs))
             pairs.append(TracePair(names.get(id(predictor), "?"),

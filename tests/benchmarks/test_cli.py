@@ -171,6 +171,7 @@ def test_threads_reach_compile(tmp_path, scripted, monkeypatch):
     (["--demos", "-1"], "--demos must be >= 0", "--demos 0 or more"),
     (["--rounds", "0"], "--rounds must be >= 1", "--rounds 1 or more"),
     (["--labels", "only"], "only applies to the finetune stage", "add finetune"),
+    (["--exclude-demos"], "--exclude-demos only applies to the finetune stage", "add finetune"),
     (["--train", "300"], "exceeds the 264 examples", "lower --train"),
     (["--test", "2000"], "exceeds the 1055 examples", "--test 1055"),
     (["--program", "magic"], "unknown program 'magic'", "use one of"),
@@ -215,11 +216,12 @@ def test_weights_settings_reach_the_stages():
 
     args = cli.bench_parser().parse_args(["gsm8k-dspy", "--grpo-steps", "7", "--grpo-batch", "16",
                                           "--group-size", "8", "--max-tokens", "200", "--epochs", "2",
-                                          "--labels", "only"])
+                                          "--labels", "only", "--exclude-demos"])
     grpo = build_stage("grpo", args)
     assert (grpo.steps, grpo.batch_size, grpo.group_size, grpo.max_new_tokens) == (7, 16, 8, 200)
     finetune = build_stage("finetune", args)
-    assert (finetune.epochs, finetune.labels) == (2, "only")
+    assert (finetune.epochs, finetune.labels, finetune.exclude_demos) == (2, "only", True)
+    assert build_stage("finetune", cli.bench_parser().parse_args(["gsm8k-dspy"])).exclude_demos is False
 
 
 def test_demos_and_rounds_reach_the_prompt_stages():

@@ -88,3 +88,43 @@ def test_finetune_mix_adds_passing_teacher_traces_to_the_labels(tiny_local, task
     with dspy.context(adapter=AutoAdapter()):
         BootstrapFinetune(labels="mix", teacher=teacher, epochs=1, lora=LORA).run(program, ctx)
     assert ctx.info["label_pairs"] == 8 and ctx.info["teacher_passed"] == 8 and ctx.info["pairs"] == 16
+
+
+def test_label_pairs_carry_the_demos_unless_excluded():
+    program = Predict("question -> answer")
+    [(_, predictor)] = program.named_predictors()
+    predictor.demos = [dspy.Example(question="What colour is the sky?", answer="blue")]
+    ex = dspy.Example(question="Capital of France?", answer="Paris").with_inputs("question")
+    adapter = dspy.ChatAdapter()
+    [with_demos] = label_pairs(program, [ex], adapter)
+    [without] = label_pairs(program, [ex], adapter, exclude_demos=True)
+    assert "What colour is the sky?" in str(with_demos.messages)
+    assert "What colour is the sky?" not in str(without.messages) and "Capital of France?" in str(without.messages)
+    assert without.completion == with_demos.completion
+
+
+def test_exclude_demos_trains_and_returns_the_program_without_them(tiny_local, task, monkeypatch):
+    """DSPy's exclude_demos: the teacher runs with the demos, the student learns (and later runs) without."""
+    from flowopt.optimizers.weights import sft
+
+    program = dspy.Predict(dspy.Signature("noise, cue -> word", "Answer."))
+    program.lm = tiny_local.lm
+    program.demos = [dspy.Example(noise="demo-noise", cue=task.colors[0], word=task.animals[0])]
+    seen_demos = []
+
+    def teach(request):
+        seen_demos.append(len(request.demos))
+        return {"word": task.animals[task.colors.index(request.inputs["cue"])]}
+
+    trained_on = []
+    real_token_pairs = sft.token_pairs
+    monkeypatch.setattr(sft, "token_pairs", lambda policy, pairs, limit: trained_on.extend(pairs) or
+                        real_token_pairs(policy, pairs, limit))
+    ctx = task.ctx(task.examples(8, seed=5), [], stage_name="finetune")
+    stage = BootstrapFinetune(labels="mix", teacher=scripted_lm(teach, cache=False), epochs=1, lora=LORA,
+                              exclude_demos=True)
+    with dspy.context(adapter=AutoAdapter()):
+        out = stage.run(program, ctx)
+    assert seen_demos == [1] * 8  # the teacher read the demo
+    assert len(trained_on) == 16 and not any("demo-noise" in str(p.messages) for p in trained_on)
+    assert out.demos == [] and ctx.info["pairs"] == 16
