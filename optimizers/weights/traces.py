@@ -61,6 +61,13 @@ def _continuation(messages: list[dict[str, Any]], completion: str) -> str:
     return completion
 
 
+def _prompt_demos(predictor: Any, exclude_demos: bool) -> list[dict[str, Any]]:
+    """The demos a training prompt carries: the predictor's own, as at inference, or none."""
+    if exclude_demos:
+        return []
+    return [d.toDict() if hasattr(d, "toDict") else dict(d) for d in predictor.demos]
+
+
 def teacher_pairs(teacher: dspy.Module, examples: Sequence[Any], metric: Callable[..., Any], adapter: Any, *,
                   metric_threshold: float | None = None, num_threads: int = 8,
                   exclude_demos: bool = False) -> tuple[list[TracePair], TraceStats]:
@@ -103,7 +110,7 @@ def teacher_pairs(teacher: dspy.Module, examples: Sequence[Any], metric: Callabl
         stats.passed += 1
         for predictor, inputs, outputs in trace:
             values = outputs.toDict() if hasattr(outputs, "toDict") else dict(outputs)
-            demos = [] if exclude_demos else [d.toDict() if hasattr(d, "toDict") else dict(d) for d in predictor.demos]
+            demos = _prompt_demos(predictor, exclude_demos)
             messages = adapter.format(predictor.signature, demos, dict(inputs))
             completion = _continuation(messages, adapter.format_assistant_message_content(predictor.signature, values))
             pairs.append(TracePair(names.get(id(predictor), "?"),
@@ -203,7 +210,7 @@ def label_pairs(program: dspy.Module, examples: Sequence[Any], adapter: Any, *,
                     f"({list(predictor.signature.output_fields)}): a reasoning field needs a gold rationale",
                     fix="use labels='mix' with a teacher, or a program whose answer node outputs only labelled "
                         "fields (e.g. Predict instead of ChainOfThought)")
-            demos = [] if exclude_demos else [d.toDict() if hasattr(d, "toDict") else dict(d) for d in predictor.demos]
+            demos = _prompt_demos(predictor, exclude_demos)
             messages = adapter.format(predictor.signature, demos, inputs)
             completion = _continuation(messages, adapter.format_assistant_message_content(predictor.signature, outputs))
             pairs.append(TracePair(names.get(id(predictor), "?"),
