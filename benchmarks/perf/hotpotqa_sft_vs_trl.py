@@ -20,8 +20,9 @@ linear layer), AdamW at 2e-4 with a linear decay, batch 8, ``--epochs`` epochs, 
 
 Both trained programs and the base program are scored with the protocol's reference metric (AFlow's F1)
 on the same ``--test`` test questions; differences are paired per question with 95% intervals. One
-training seed per side (each takes about 15 minutes on two CPU cores): the intervals cover the test
-questions, not training noise. Test scores are kept in ``--work``/evals and reused by a rerun, and
+training seed per side and run (``--train-seed``; the splits follow ``--seed``): the intervals cover the
+test questions, not training noise, which runs with other ``--train-seed`` values on the same questions
+measure. Test scores are kept in ``--work``/evals and reused by a rerun, and
 flowopt's compile resumes from ``--work``/flowopt (a ``flowopt bench`` stage folder of the same settings,
 ``run/NN-finetune-*``, copied there is reused the same way; the results say when that happened).
 """
@@ -54,11 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=8, help="new tokens per answer")
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--lm-batch", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the splits' seed (which questions train, dev, test)")
+    parser.add_argument("--train-seed", type=int, default=None,
+                        help="both trainings' seed (batch order, LoRA init; default: --seed): several runs with the "
+                             "same --seed and other --train-seed values measure training noise on the same questions")
     parser.add_argument("--work", type=Path, default=Path("runs/hotpotqa_sft_vs_trl"),
                         help="adapters, flowopt's run folder and the kept test scores")
     run = start_run(parser, argv)
     args = run.args
+    if args.train_seed is None:
+        args.train_seed = args.seed
     try:
         import trl
     except ImportError:
@@ -96,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     local.close()
 
     results = summarise(tests, flowopt_run, trl_run, data, trl.__version__, stage, str(dtype).removeprefix("torch."))
+    results["seeds"] = {"splits": args.seed, "training": args.train_seed}
     run.finish("HotpotQA finetune on Gemma 3 270M: flowopt's BootstrapFinetune vs TRL's SFTTrainer", results,
                report_body(results, args), goals=goals(results))
     return 0
@@ -133,7 +140,7 @@ def train_trl(model: Any, tokenizer: Any, data: list[tuple[list[int], list[int]]
         output_dir=str(folder), num_train_epochs=stage.epochs, per_device_train_batch_size=stage.batch_size,
         gradient_accumulation_steps=1, learning_rate=stage.learning_rate, lr_scheduler_type=stage.lr_schedule,
         warmup_steps=stage.warmup_steps, weight_decay=stage.weight_decay, max_grad_norm=stage.max_grad_norm,
-        seed=args.seed, data_seed=args.seed, logging_steps=1, save_strategy="no", report_to="none",
+        seed=args.train_seed, data_seed=args.train_seed, logging_steps=1, save_strategy="no", report_to="none",
         use_cpu=not torch.cuda.is_available(), bf16=bf16, max_length=stage.max_length, packing=False,
         gradient_checkpointing=stage.gradient_checkpointing, disable_tqdm=True)
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
@@ -154,12 +161,12 @@ def train_trl(model: Any, tokenizer: Any, data: list[tuple[list[int], list[int]]
 def config_key(stage: Any, args: Any) -> list[Any]:
     """What TRL's training depends on besides the pairs: a rerun reuses an adapter only when these match."""
     return [stage.epochs, stage.learning_rate, stage.batch_size, stage.lr_schedule, stage.warmup_steps,
-            stage.weight_decay, stage.max_grad_norm, repr(stage.lora), args.seed]
+            stage.weight_decay, stage.max_grad_norm, repr(stage.lora), args.train_seed]
 
 
 def with_adapter(program: Any, local: Any, folder: Path) -> Any:
     """A copy of ``program`` whose every call runs ``local`` with the adapter saved in ``folder``."""
-    from flowopt.optimizers.weights.policy import adapter_sha256
+    from flowopt.lm.pinned import adapter_sha256
     from flowopt.optimizers.weights.student import attach
 
     name = local.load_adapter(folder, name="trl-sft", activate=False)
@@ -173,7 +180,7 @@ def train_flowopt(plan: Any, args: Any) -> tuple[dict[str, Any], Any]:
     run_dir = args.work / "flowopt"
     wall, cpu = time.perf_counter(), time.process_time()
     compiled = compile(plan.program, plan.trainset, plan.proto.metric_fn(), valset=plan.valset,
-                       stages=list(plan.stages), seed=args.seed, run_dir=run_dir, resume=True,
+                       stages=list(plan.stages), seed=args.train_seed, run_dir=run_dir, resume=True,
                        num_threads=args.threads, quiet=True)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     row = compiled.report.stages[-1]
@@ -236,7 +243,8 @@ def report_body(r: dict[str, Any], args: Any) -> list[str]:
         f"{args.epochs} epochs, LoRA r={r['settings']['lora']['r']} alpha={r['settings']['lora']['alpha']}, "
         f"lr {r['settings']['learning_rate']:g} ({r['settings']['lr_schedule']}), batch "
         f"{r['settings']['batch_size']}; {t['baseline']['n']} test questions, up to {args.max_tokens} new tokens "
-        "per answer, greedy. One training seed per side: the intervals cover the test questions only.", "",
+        f"per answer, greedy. Training seed {args.train_seed} on both sides (splits: seed {args.seed}); the intervals "
+        "cover the test questions, not training noise.", "",
         *markdown_table(["program", "test AFlow F1 [95% CI]", f"{strict or 'strict'}", "failed",
                          "vs base (paired)", "steps", "train loss first -> last", "train wall s"], rows,
                         align="llllllll"), "",
