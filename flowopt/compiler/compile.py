@@ -24,6 +24,7 @@ from flowopt.compiler.report import CompileReport, StageReport
 from flowopt.compiler.stage import Stage
 from flowopt.compiler.stages import StageSpec, resolve_stages
 from flowopt.errors import BudgetExhausted, ConfigError, DataError, LMError
+from flowopt.io import space_errors
 
 logger = logging.getLogger("flowopt.compiler")
 
@@ -238,7 +239,7 @@ def _run_stage(index: int, name: str, stage: Stage, best: Any, score_before: Cal
     start = time.monotonic()
     out: Any = None
     try:
-        with tracker.guard():
+        with tracker.guard(), space_errors(ctx.run_dir, folder=True):
             out = stage.run(clone_program(best), ctx)
     except BudgetExhausted as err:  # a stage that did not catch it itself: it returned nothing
         row.stop_reason = f"budget: {err.limit}"
