@@ -101,6 +101,20 @@ class DiskFullError(FlowoptError, OSError):
         super().__init__(problem, fix=fix)
 
 
+class OutOfMemoryError(FlowoptError):
+    """A weights stage ran out of memory (CPU or GPU) for its batch; ``settings`` are the ones to lower.
+
+    Example:
+        >>> err = OutOfMemoryError("finetune ran out of memory", settings={"micro_batch_size": 8})
+        >>> err.settings
+        {'micro_batch_size': 8}
+    """
+
+    def __init__(self, problem: str, *, settings: dict[str, object], fix: str | None = None) -> None:
+        self.settings = dict(settings)
+        super().__init__(problem, fix=fix)
+
+
 class LMError(FlowoptError):
     """A language model could not be loaded or called."""
 

@@ -115,7 +115,7 @@ def compile(
         "trainset": _digest(example_key(e) for e in train),
         "valset": _digest(example_key(e) for e in val),
         "metric": getattr(metric, "__qualname__", type(metric).__name__),
-        "stages": [{"name": n, "settings": s.settings()} for n, s in zip(stage_names, stage_objs)],
+        "stages": [{"name": n, "settings": _resumable_settings(s)} for n, s in zip(stage_names, stage_objs)],
         "seed": seed,
     }
     folder = (RunFolder(run_dir, resume=resume, fingerprint=fingerprint, writer=rank == 0)
@@ -216,6 +216,11 @@ def _baseline_row(program: Any, val: list[Any], evaluator: Evaluator, tracker: B
     if folder is not None:
         folder.save_baseline(row.to_dict())
     return row
+
+
+def _resumable_settings(stage: Stage) -> dict[str, Any]:
+    """The settings a resumed run must repeat: all but those that only trade time for memory."""
+    return {k: v for k, v in stage.settings().items() if k not in stage.memory_settings}
 
 
 def _run_stage(index: int, name: str, stage: Stage, best: Any, score_before: Callable[[], float], train: list[Any],
