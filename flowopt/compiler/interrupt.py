@@ -62,8 +62,8 @@ def stop_on_signals(on_stop: Callable[[str], None]) -> Iterator[StopRequest]:
                        "the run). Send it again to stop at once.", name)
         on_stop(name)
 
-    for sig in SIGNALS:
-        signal.signal(sig, handle)
+    for wanted in SIGNALS:
+        signal.signal(wanted, handle)
     try:
         yield request
     finally:

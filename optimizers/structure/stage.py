@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import dspy
 
-from flowopt.compiler.stage import Stage
+from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError, LMError
 from flowopt.optimizers.structure.pareto import pareto_point, pick_point
 from flowopt.optimizers.structure.proposers import LMProposer, Proposer, RuleProposer, Vocabulary
@@ -131,7 +131,7 @@ class StructureSearch(Stage):
             return LMProposer(self.optimizer_lm, vocabulary=self.vocabulary(), max_attempts=self.max_attempts)
         return RuleProposer(self.vocabulary())
 
-    def run(self, program: Any, ctx: Any) -> Any:
+    def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
         if not isinstance(program, Workflow):
             raise ConfigError(f"structure search needs a flowopt.Workflow, got {type(program).__name__}",
                               fix="declare the program as a Workflow, or leave 'structure' out of the stages")
@@ -233,7 +233,7 @@ class _Measurer:
     on every LM (the ambient one and the workflow's own), which gives a distinct sample and a distinct
     memo key, and counts the LM calls and tokens it took per example."""
 
-    def __init__(self, ctx: Any, examples: list[Any], *, rollout_offset: int = 0) -> None:
+    def __init__(self, ctx: StageContext, examples: list[Any], *, rollout_offset: int = 0) -> None:
         self.ctx, self.examples, self.offset = ctx, examples, rollout_offset
         self.calls: dict[str, int] = {}
 
@@ -274,7 +274,7 @@ def _with_rollout(lm: Any, rollout: int) -> Any:
 class _ContextCheckpoint:
     """The search's checkpoint in the stage folder, through the context (atomic JSON)."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
 
     def save(self, data: dict[str, Any]) -> None:
