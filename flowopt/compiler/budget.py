@@ -27,6 +27,9 @@ from flowopt.settings import at_least, check_stage
 LIMITS = ("max_lm_calls", "max_tokens", "max_cost_usd", "max_wall_s")
 
 
+INTERRUPTED = "interrupted"  # the pseudo-limit a stop request (SIGINT, SIGTERM) reads as
+
+
 @dataclass(frozen=True)
 class Budget:
     """Limits shared by every stage of one ``compile()`` call; ``None`` means unlimited.
@@ -116,6 +119,7 @@ class BudgetTracker:
         self._in_flight = 0
         self._started = time.monotonic()
         self._callback: Any = None
+        self._stop_reason: str | None = None
 
     # ------------------------------------------------------------------ public
     def usage(self) -> dict[str, Any]:
@@ -137,6 +141,17 @@ class BudgetTracker:
             limit = self._exhausted_locked(pending=0)
             if limit is not None:
                 raise self._error(limit, pending=0)
+
+    def request_stop(self, reason: str) -> None:
+        """Refuse every later LM call as a reached limit named ``"interrupted"``, so stages stop at their next
+        LM call as they do on an exhausted budget (their checkpoints written). Takes no lock: a signal
+        handler calls it, possibly while this thread holds the tracker's lock."""
+        self._stop_reason = reason
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why :meth:`request_stop` was called (e.g. ``"SIGTERM"``), or ``None``."""
+        return self._stop_reason
 
     def remaining_calls(self) -> int | None:
         if self.budget.max_lm_calls is None:
@@ -204,6 +219,8 @@ class BudgetTracker:
     # ------------------------------------------------------------------ internals
     def _exhausted_locked(self, *, pending: int) -> str | None:
         b = self.budget
+        if self._stop_reason is not None:
+            return INTERRUPTED
         if b.max_lm_calls is not None and self._calls + pending >= b.max_lm_calls:
             return "max_lm_calls"
         if b.max_tokens is not None and self._tokens >= b.max_tokens:
@@ -215,6 +232,8 @@ class BudgetTracker:
         return None
 
     def _error(self, limit: str, *, pending: int) -> BudgetExhausted:
+        if limit == INTERRUPTED:
+            return BudgetExhausted(INTERRUPTED, used=self._calls + pending, allowed=self._calls + pending)
         used = {"max_lm_calls": self._calls + pending, "max_tokens": self._tokens, "max_cost_usd": self._cost,
                 "max_wall_s": time.monotonic() - self._started}[limit]
         return BudgetExhausted(limit, used=used, allowed=getattr(self.budget, limit))

@@ -15,12 +15,13 @@ from flowopt.compiler.checkpoint import RunFolder, clone_program, program_from_d
 from flowopt.compiler.data import check_examples, split_trainset
 from flowopt.compiler.evaluate import Evaluator, example_key, program_key
 from flowopt.compiler.integrity import check_run_dir
+from flowopt.compiler.interrupt import StopRequest, stop_on_signals
 from flowopt.compiler.processes import launched_processes
 from flowopt.compiler.report import CompileReport, StageReport
 from flowopt.compiler.run_stage import CompileRun, baseline_row, finish_report, run_stage
 from flowopt.compiler.stage import Stage
 from flowopt.compiler.stages import StageSpec, resolve_stages
-from flowopt.errors import ConfigError, DataError
+from flowopt.errors import BudgetExhausted, ConfigError, DataError, Interrupted
 from flowopt.settings import at_least, check_settings
 
 logger = logging.getLogger("flowopt.compiler")
@@ -86,9 +87,26 @@ def compile(
         report=CompileReport(seed=seed, n_train=len(train), n_val=len(val), valset_source=val_source,
                              budget=budget.limits()),
     )
-    with run.tracker.activate():
-        best = _run_stages(run, stage_names, stage_objs)
+    with run.tracker.activate(), stop_on_signals(run.tracker.request_stop) as stop:
+        try:
+            best = _run_stages(run, stage_names, stage_objs)
+        except BudgetExhausted:  # the baseline's scoring was interrupted
+            if stop.signal is None:
+                raise
+    if stop.signal is not None:
+        raise _interrupted(run, stop)
     return _result(run, best)
+
+
+def _interrupted(run: CompileRun, stop: StopRequest) -> Interrupted:
+    """The error for a compile a signal stopped: what the run folder keeps and how to continue."""
+    if run.folder is None:
+        return Interrupted(f"compile stopped by {stop.signal}; without a run_dir nothing was kept",
+                           signal=str(stop.signal), number=stop.number,
+                           fix="pass run_dir=... so that an interrupted compile can be resumed")
+    return Interrupted(f"compile stopped by {stop.signal} at a safe point; {run.folder.path} keeps every finished "
+                       "stage and the interrupted stage's checkpoints", signal=str(stop.signal), number=stop.number,
+                       fix="rerun the same compile with resume=True (flowopt bench: --resume) to continue")
 
 
 def _checked_arguments(program: Any, metric: Any, budget: Any, **settings: Any) -> Budget:
@@ -190,6 +208,8 @@ def _run_stages(run: CompileRun, stage_names: list[str], stage_objs: list[Stage]
                 best_score = before()  # the deferred baseline is scored by now, whatever the stage did
                 if row.kept and out is not None:
                     best, best_score = out, row.score if row.score is not None else best_score
+                if run.tracker.stop_reason is not None:  # a signal: nothing of this stage counts as finished
+                    break
                 if folder is not None and not row.stop_reason.startswith("budget"):
                     # Saved kept or not: a rejected output can still be scored on its own (saved_output).
                     folder.save_finished(index, name, out, row.to_dict())
