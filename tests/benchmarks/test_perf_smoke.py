@@ -140,6 +140,13 @@ def _structure_search_sim(r: dict[str, Any]) -> None:
         (m, s) for m in ("search", "random_walk", "hill_climb") for s in (0, 1)]
 
 
+def _serve_load(r: dict[str, Any]) -> None:
+    assert r["server_errors"] == 0 and r["transport_errors"] == 0  # no 500, no dropped connection
+    assert r["answered_share"] == 1.0  # every well-formed, uncancelled request answered
+    assert r["malformed_4xx"] == r["kinds"]["malformed"] > 0 and r["kinds"]["cancelled"] > 0
+    assert r["rss_bytes"]["end"] > 0 and r["stream_first_chunk_s"]["p50"] is not None
+
+
 # script -> (modules it needs beyond flowopt's dependencies, checks of its results)
 SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "workflow_overhead": ((), _workflow_overhead),
@@ -158,6 +165,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "weights_distributed": ((), _weights_distributed),
     "shared_search": (("psycopg",), _shared_search),  # and PostgreSQL's initdb (CI installs it)
     "structure_search_sim": ((), _structure_search_sim),
+    "serve_load": ((), _serve_load),
 }
 
 
