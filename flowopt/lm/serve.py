@@ -193,7 +193,8 @@ def _stream(local: LocalLM, body: SamplingRequest, model_name: str, adapter: Any
     jobs: list[StreamJob] = []
     for p, prompt_ids in enumerate(prompts):
         rows = _rows(local, body, len(prompt_ids))
-        jobs += [StreamJob(len(jobs), p, prompt_ids, row) for row in rows]
+        for row in rows:
+            jobs.append(StreamJob(len(jobs), p, prompt_ids, row))
     ident, created = new_id("chatcmpl" if chat else "cmpl"), now()
     head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model_name}
