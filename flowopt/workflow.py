@@ -453,17 +453,7 @@ class Workflow(dspy.Module):
     # ------------------------------------------------------------------ async
     async def aforward(self, **inputs: Any) -> dspy.Prediction:
         """Run the graph on the event loop (``await wf.acall(...)``): independent nodes run concurrently,
-        each through its operator's ``acall``.
-
-        Example:
-            >>> import asyncio, dspy
-            >>> from flowopt.modules import Predict
-            >>> from flowopt.testing import scripted_lm
-            >>> wf = Workflow("question -> answer").add("solve", Predict("question -> answer"))
-            >>> with dspy.context(lm=scripted_lm(lambda req: {"answer": "4"})):
-            ...     asyncio.run(wf.acall(question="2+2?")).answer
-            '4'
-        """
+        each through its operator's ``acall``."""
         from flowopt.graph_async import run_when_ready
 
         self._check_call_inputs(inputs)
@@ -504,36 +494,15 @@ class Workflow(dspy.Module):
 
     def save(self, path: str | Path, save_program: bool = False,
              modules_to_serialize: Iterable[Any] | None = None) -> Path:
-        """Write the workflow JSON atomically; DSPy's calls work too (see :mod:`flowopt.program_files`).
-
-        ``save_program=True`` writes a folder that ``flowopt.load`` and ``dspy.load`` both read back.
-
-        Example:
-            >>> import tempfile, flowopt
-            >>> from flowopt.modules import Predict
-            >>> wf = Workflow("question -> answer").add("solve", Predict("question -> answer"))
-            >>> folder = wf.save(tempfile.mkdtemp() + "/qa", save_program=True)
-            >>> sorted(p.name for p in folder.iterdir())
-            ['metadata.json', 'program.json', 'program.pkl']
-            >>> flowopt.load(folder).node_ids
-            ['solve']
-        """
+        """Write the workflow JSON atomically; DSPy's calls work too (see :mod:`flowopt.program_files`):
+        ``save_program=True`` writes a folder that ``flowopt.load`` and ``dspy.load`` both read back."""
         from flowopt.program_files import save_workflow
 
         return save_workflow(self, path, save_program=save_program, modules_to_serialize=modules_to_serialize)
 
     def load(self, path: str | Path, allow_pickle: bool = False, allow_unsafe_lm_state: bool = False) -> str:
         """Load a saved program into this workflow, as ``dspy.Module.load`` does, from flowopt's document
-        or DSPy's state format; returns (and logs) which of the two it read.
-
-        Example:
-            >>> import tempfile
-            >>> from flowopt.modules import Predict
-            >>> wf = Workflow("question -> answer").add("solve", Predict("question -> answer"))
-            >>> path = wf.save(tempfile.mkdtemp() + "/qa.json")
-            >>> Workflow().load(path)
-            'flowopt.workflow/v1'
-        """
+        or DSPy's state format; returns (and logs) which: ``"flowopt.workflow/v1"`` or ``"dspy.state"``."""
         from flowopt.program_files import load_into
 
         return load_into(self, path, allow_pickle=allow_pickle, allow_unsafe_lm_state=allow_unsafe_lm_state)
