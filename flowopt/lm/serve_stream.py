@@ -98,8 +98,10 @@ async def stream_rows(local: LocalLM, jobs: Sequence[StreamJob], *, adapter: Any
 
     def hook(index: int) -> Callable[[list[int]], bool]:
         def on_tokens(ids: list[int]) -> bool:
+            if cancelled.is_set():  # the client left: end the row, and send nothing to a loop that may be gone
+                return False
             loop.call_soon_threadsafe(events.put_nowait, ("tokens", index, ids))
-            return not cancelled.is_set()
+            return True
         return on_tokens
 
     async def run(job: StreamJob) -> None:

@@ -252,3 +252,41 @@ def test_a_cancelled_row_ends_early(tiny_local):
     prompt = tiny_local.render("hello there")
     sample = tiny_local.complete_ids(prompt, RowSettings(max_new_tokens=12), on_tokens=lambda ids: False)
     assert len(sample.completion_ids) == 1
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_rows():
+    """Closing the event stream (what a disconnect does) makes the row's next on_tokens return False."""
+    import asyncio
+
+    from flowopt.lm.sampling import Sample
+    from flowopt.lm.serve_stream import StreamJob, stream_rows
+
+    class Letters:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    class SlowLocal:
+        tokenizer = Letters()
+        steps = 0
+        told_to_stop = threading.Event()
+
+        def complete_ids(self, prompt_ids, row, *, adapter, on_tokens):
+            ids = []
+            for step in range(1000):  # 10 s if never cancelled
+                SlowLocal.steps = step + 1
+                ids.append(65 + step % 26)
+                if on_tokens([ids[-1]]) is False:
+                    SlowLocal.told_to_stop.set()
+                    break
+                time.sleep(0.01)
+            return Sample(list(prompt_ids), ids, Letters().decode(ids), "length")
+
+    async def leave_after_first_piece():
+        events = stream_rows(SlowLocal(), [StreamJob(0, 0, [1], RowSettings(max_new_tokens=1000))], adapter=...,
+                             chunk=lambda i, text, finish: {"text": text})
+        first = await events.__anext__()
+        await events.aclose()
+        return first
+
+    assert b'"text": "A"' in asyncio.run(leave_after_first_piece())
+    assert SlowLocal.told_to_stop.wait(timeout=10) and SlowLocal.steps < 1000
