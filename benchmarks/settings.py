@@ -120,11 +120,20 @@ def build_stage(name: str, args: argparse.Namespace) -> Any:
     return name
 
 
+def _check_out_folder(out: Path) -> None:
+    """--out must be a folder or creatable as one: neither it nor any folder above it may be a file."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder", fix="pass a folder path (new or an earlier run's)")
+    blocking = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"--out {out} lies under {blocking}, which is a file, so the folder cannot be created",
+                          fix=f"pass a folder path outside {blocking}, or move that file away")
+
+
 def plan_bench(args: argparse.Namespace) -> BenchPlan:
     """Check every setting and build the run; nothing is written and no LM is called."""
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder", fix="pass a folder path (new or an earlier run's)")
+    _check_out_folder(out)
     if args.resume and not any((out / name).exists() for name in ("results.json", "run", "evals")):
         raise ConfigError(f"--resume: {out} holds no earlier run", fix="drop --resume or point --out at an earlier run")
     _check_numbers(args)

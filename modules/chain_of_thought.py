@@ -38,3 +38,6 @@ class ChainOfThought(Operator):
 
     def forward(self, **inputs: Any) -> dspy.Prediction:
         return self.cot(**inputs)
+
+    async def aforward(self, **inputs: Any) -> dspy.Prediction:
+        return await self.cot.acall(**inputs)

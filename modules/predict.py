@@ -40,3 +40,6 @@ class Predict(Operator):
 
     def forward(self, **inputs: Any) -> dspy.Prediction:
         return self.predict(**inputs)
+
+    async def aforward(self, **inputs: Any) -> dspy.Prediction:
+        return await self.predict.acall(**inputs)

@@ -57,3 +57,13 @@ class Refine(Operator):
                 break
             current = self.revise(**inputs, attempt=attempt, feedback=review.feedback)
         return dspy.Prediction(**{name: current[name] for name in self._spec.output_names})
+
+    async def aforward(self, **inputs: Any) -> dspy.Prediction:
+        current = await self.generate.acall(**inputs)
+        for _ in range(self.max_rounds):
+            attempt = render_outputs(self._spec, current)
+            review = await self.review.acall(**inputs, attempt=attempt)
+            if review.is_correct is True:
+                break
+            current = await self.revise.acall(**inputs, attempt=attempt, feedback=review.feedback)
+        return dspy.Prediction(**{name: current[name] for name in self._spec.output_names})

@@ -104,6 +104,11 @@ def _grpo_server(r: dict[str, Any]) -> None:
     assert r["sides"]["server"]["max_sampler_logprob_gap"] < 1e-4  # float32: it sampled the trained weights
 
 
+def _serve_streaming(r: dict[str, Any]) -> None:
+    assert r["streamed_equals_whole"] and r["streamed_total_s"]["n"] == 1
+    assert 0 < r["first_text_s"]["median"] <= r["streamed_total_s"]["median"]
+
+
 def _llama_cpp_throughput(r: dict[str, Any]) -> None:
     assert all(rate > 0 for rate in r["tokens_per_s"].values())
 
@@ -159,6 +164,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "gemma_weights_demo": ((), _gemma_weights_demo),
     "grpo_throughput": (("trl",), _grpo_throughput),
     "grpo_server": ((), _grpo_server),
+    "serve_streaming": ((), _serve_streaming),
     "llama_cpp_throughput": (("llama_cpp",), _llama_cpp_throughput),
     "local_lm_cuda": ((), _local_lm_cuda),
     "runtime_ab": (("trl",), _runtime_ab),
