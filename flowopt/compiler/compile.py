@@ -146,7 +146,7 @@ def _fingerprint(program: Any, train: list[Any], val: list[Any], metric: Any, st
         "trainset": _digest(example_key(e) for e in train),
         "valset": _digest(example_key(e) for e in val),
         "metric": getattr(metric, "__qualname__", type(metric).__name__),
-        "stages": [{"name": n, "settings": s.settings()} for n, s in zip(stage_names, stage_objs)],
+        "stages": [{"name": n, "settings": _resumable_settings(s)} for n, s in zip(stage_names, stage_objs)],
         "seed": seed,
     }
 
@@ -224,3 +224,8 @@ def _digest(parts: Any) -> str:
     for p in parts:
         h.update(p.encode("utf-8"))
     return h.hexdigest()
+def _resumable_settings(stage: Stage) -> dict[str, Any]:
+    """The settings a resumed run must repeat: all but those that only trade time for memory."""
+    return {k: v for k, v in stage.settings().items() if k not in stage.memory_settings}
+
+

@@ -22,6 +22,7 @@ from flowopt.compiler.evaluate import EvalResult, Evaluator
 from flowopt.compiler.report import CompileReport, StageReport
 from flowopt.compiler.stage import Stage
 from flowopt.errors import BudgetExhausted, ConfigError, LMError
+from flowopt.io import space_errors
 
 logger = logging.getLogger("flowopt.compiler")
 
@@ -92,7 +93,7 @@ def run_stage(run: CompileRun, index: int, name: str, stage: Stage, best: Any,
     start = time.monotonic()
     out: Any = None
     try:
-        with run.tracker.guard():
+        with run.tracker.guard(), space_errors(ctx.run_dir, folder=True):
             out = stage.run(clone_program(best), ctx)
     except BudgetExhausted as err:  # a stage that did not catch it itself: it returned nothing
         row.stop_reason = f"budget: {err.limit}"
