@@ -21,6 +21,7 @@ from typing import Any
 from flowopt.errors import ConfigError
 
 from .datasets import Protocol, get_protocol, load_split
+from .lms import make_lm
 from .programs import build_program
 
 #: The values ``--stages`` accepts besides a comma-separated list of stage names.
@@ -106,8 +107,6 @@ def build_stage(name: str, args: argparse.Namespace) -> Any:
 
         teacher = None
         if args.teacher:
-            from .runner import make_lm
-
             teacher, _ = make_lm(args.teacher, api_base=args.api_base, max_tokens=args.max_tokens)
         return BootstrapFinetune(student=args.student, teacher=teacher, epochs=args.epochs,
                                  labels=None if args.labels == "none" else args.labels,

@@ -45,6 +45,10 @@ class Programmer(Operator):
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec = "question -> answer",
                  instructions: str | None = None, *, timeout_s: float = 5.0, memory_mb: int = 512,
                  max_attempts: int = 2, on_failure: str = "raise") -> None:
+        """``instructions``: the task description given to the LM (default: the signature's own).
+        ``timeout_s``: the sandboxed run's time limit, in (0, 120] seconds;
+        ``memory_mb``: its memory limit (32..16384 MiB); ``max_attempts``: code-writing tries (1..5), each
+        shown the previous error; ``on_failure``: ``"raise"`` or ``"empty"`` (an empty answer)."""
         check_settings("Programmer", {"timeout_s": timeout_s, "memory_mb": memory_mb, "max_attempts": max_attempts,
                                       "on_failure": on_failure}, hints=Programmer.__init__,
                        bounds={"timeout_s": above(0, 120), "memory_mb": between(32, 16384),

@@ -29,6 +29,8 @@ class Refine(Operator):
 
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
                  *, max_rounds: int = 1) -> None:
+        """``instructions``: the task description given to the LM (default: the signature's own).
+        ``max_rounds``: review-and-revise rounds after the draft (1..10)."""
         super().__init__(signature, instructions)
         check_settings("Refine", {"max_rounds": max_rounds}, hints=Refine.__init__,
                        bounds={"max_rounds": between(1, 10)})

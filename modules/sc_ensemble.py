@@ -43,6 +43,9 @@ class ScEnsemble(Operator):
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
                  *, n: int = 5, select: str = "majority", temperature: float = 0.7,
                  vote_field: str | None = None) -> None:
+        """``instructions``: the task description given to the LM (default: the signature's own).
+        ``n``: samples (1..64); ``select``: ``"majority"`` vote or ``"lm"`` selection;
+        ``temperature``: the samples' temperature; ``vote_field``: the output field voted on (default: the first)."""
         check_settings("ScEnsemble", {"n": n, "select": select, "temperature": temperature, "vote_field": vote_field},
                        hints=ScEnsemble.__init__,
                        bounds={"n": between(1, MAX_SAMPLES), "select": one_of(*SELECT_MODES), **TEMPERATURE})

@@ -29,6 +29,7 @@ SPLITS = ("trainset", "valset")
 
 #: The stage's search settings unless told otherwise: three finalists re-measured on fresh examples.
 DEFAULT_SEARCH = SearchSettings(final_top=3)
+SEARCH_FIELDS = frozenset(f.name for f in dataclasses.fields(SearchSettings))
 
 
 @dataclass(frozen=True, init=False)
@@ -115,6 +116,13 @@ class StructureSearch(Stage):
             "max_examples": at_least(1),
         })
         self.vocabulary()  # checks the edit kinds now, not at run time
+
+    def __getattr__(self, name: str) -> Any:
+        """A search setting read by name (``stage.max_rounds``), as it may be passed."""
+        search = self.__dict__.get("search")
+        if search is not None and name in SEARCH_FIELDS:
+            return getattr(search, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def settings(self) -> dict[str, Any]:
         """The search settings and the stage's own, flat (as they may be passed)."""

@@ -21,7 +21,8 @@ import pytest
 from flowopt.benchmarks.perf.harness import read_results
 
 PERF_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "perf"
-SHARED_MODULES = {"__init__", "lm_workload", "structure_families"}  # imported by scripts, not run
+# Imported by scripts, not run.
+SHARED_MODULES = {"__init__", "lm_workload", "structure_families", "structure_sim_world", "structure_sim_report"}
 
 
 def _lm_throughput(r: dict[str, Any]) -> None:
