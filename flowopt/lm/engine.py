@@ -126,7 +126,7 @@ class Lockstep:
             self._run, live=live, max_batch_size=max_batch_size)
 
     def submit(self, local: LocalLM, prompt_ids: list[int], settings: RowSettings, adapter: Any) -> Sample:
-        local._check_length(prompt_ids, settings.max_new_tokens)
+        local.check_length(prompt_ids, settings.max_new_tokens)
         return self.batcher.submit(self.key(), (prompt_ids, settings, adapter))
 
     def _run(self, items: list[tuple[list[int], RowSettings, Any]]) -> list[Sample]:

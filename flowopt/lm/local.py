@@ -18,17 +18,21 @@ import functools
 import os
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowopt.errors import ConfigError, LMError
 from flowopt.lm.adapters import AdapterSet
-from flowopt.lm.batching import DynamicBatcher
+from flowopt.lm.continuous import ContinuousBatcher
+from flowopt.lm.decode import OnTokens
+from flowopt.lm.decoder import CompileSettings, Decoder
 from flowopt.lm.loading import contiguous_output_projection, dir_fingerprint, load_pretrained
 from flowopt.lm.packing import pack
 from flowopt.lm.prompts import RENDER_CACHE_SIZE, Prompt, PromptRendering
 from flowopt.lm.sampling import RowSettings, Sample, derive_seed, sample
+from flowopt.lm.slots import available_memory
+from flowopt.lm.stats import DecodeStats
 from flowopt.lm.scoring import completion_logprobs
 
 if TYPE_CHECKING:
@@ -72,8 +76,8 @@ class LocalLM(PromptRendering, AdapterSet):
     def __init__(self, model: str | os.PathLike[str] = "gemma-3-270m", *, device: str | None = None,
                  dtype: str | torch.dtype | None = None, adapter: str | os.PathLike[str] | None = None,
                  chat: bool | None = None, name: str | None = None, max_new_tokens: int = 512,
-                 temperature: float = 0.0, batch_wait_ms: float = 10.0, max_batch_size: int = 16,
-                 progress: bool = True) -> None:
+                 temperature: float = 0.0, batch_wait_ms: float = 10.0, max_batch_size: int | None = None,
+                 compile: bool | None = None, progress: bool = True) -> None:
         from flowopt.lm.gemma import ALIASES, check_loaded_model, check_tokenizer, ensure_gemma
 
         source = os.fspath(model)
@@ -97,7 +101,7 @@ class LocalLM(PromptRendering, AdapterSet):
         self._setup(torch_model, tokenizer, name=name or default_name,
                     chat=chat if chat is not None else default_chat, fingerprint=fingerprint, device=device,
                     dtype=dtype, max_new_tokens=max_new_tokens, temperature=temperature,
-                    batch_wait_ms=batch_wait_ms, max_batch_size=max_batch_size)
+                    batch_wait_ms=batch_wait_ms, max_batch_size=max_batch_size, compile=compile)
         self.path: Path | None = path
         if adapter is not None:
             self.load_adapter(adapter)
@@ -105,7 +109,7 @@ class LocalLM(PromptRendering, AdapterSet):
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, *, name: str, chat: bool | None = None,
                    max_new_tokens: int = 512, temperature: float = 0.0, batch_wait_ms: float = 10.0,
-                   max_batch_size: int = 16) -> LocalLM:
+                   max_batch_size: int | None = None, compile: bool | None = None) -> LocalLM:
         """Wrap an already loaded transformers model and tokenizer (kept on their device and dtype).
 
         Such a LocalLM has no source folder, so :meth:`to_spec` refuses it; save it first.
@@ -115,13 +119,14 @@ class LocalLM(PromptRendering, AdapterSet):
         param = next(model.parameters())
         self._setup(model, tokenizer, name=name, chat=chat, fingerprint=uuid.uuid4().hex[:12],
                     device=str(param.device), dtype=param.dtype, max_new_tokens=max_new_tokens,
-                    temperature=temperature, batch_wait_ms=batch_wait_ms, max_batch_size=max_batch_size)
+                    temperature=temperature, batch_wait_ms=batch_wait_ms, max_batch_size=max_batch_size,
+                    compile=compile)
         return self
 
 
     def _setup(self, model: Any, tokenizer: Any, *, name: str, chat: bool | None, fingerprint: str,
                device: Any, dtype: Any, max_new_tokens: int, temperature: float, batch_wait_ms: float,
-               max_batch_size: int) -> None:
+               max_batch_size: int | None, compile: bool | None) -> None:
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}", fix="pass max_new_tokens=256")
         if temperature < 0:
@@ -145,8 +150,21 @@ class LocalLM(PromptRendering, AdapterSet):
         self.lock = threading.RLock()  # guards the model: batches, scoring and adapter changes
         self._fingerprint = fingerprint
         self._init_adapters()
-        self._batcher: DynamicBatcher[tuple[list[int], RowSettings], Sample] = DynamicBatcher(
-            self._run_batch, max_batch_size=max_batch_size, wait_ms=batch_wait_ms, name=f"flowopt-lm-{name}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ConfigError(f"max_batch_size must be >= 1, got {max_batch_size}",
+                              fix="pass max_batch_size=None (from the device's memory) or a positive number")
+        self._max_batch_size = max_batch_size
+        self._compile_asked = compile
+        on_cuda = self.device.type == "cuda"
+        # Compiling pays on CUDA (CUDA graphs remove the per-kernel launch cost of each step); on CPU it
+        # did not pay for the embedded Gemma at batch 1 (benchmarks/results/decode_side_by_side_cpu.md).
+        self.compile_settings = CompileSettings(enabled=on_cuda if compile is None else bool(compile))
+        self.decode_stats = DecodeStats(cuda=on_cuda)
+        self._decoders: dict[str, Decoder] = {}
+        self._batcher = ContinuousBatcher(
+            lambda: self._decoder("continuous"), self.using_adapter, max_batch_size=lambda: self.max_batch_size,
+            budget=self._cache_budget, wait_ms=batch_wait_ms, name=f"flowopt-lm-{name}")
+        self._batch_wait_ms = batch_wait_ms
         self._lm: LocalDSPyLM | None = None
         self._render_messages = functools.lru_cache(maxsize=RENDER_CACHE_SIZE)(self._tokenize_messages)
 
@@ -185,54 +203,103 @@ class LocalLM(PromptRendering, AdapterSet):
         return not self.chat
 
 
-    def _check_length(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    def check_length(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        """Raise :class:`~flowopt.errors.LMError` when the prompt plus ``max_new_tokens`` exceeds the context."""
         limit = getattr(self.base_model.config, "max_position_embeddings", None)
         if limit and len(prompt_ids) + max_new_tokens > limit:
             raise LMError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens exceeds the "
                           f"model's context of {limit}", fix="shorten the prompt or lower max_tokens")
 
+    # -- decoding ----------------------------------------------------------------------------------
 
-    # -- generation --------------------------------------------------------------------------------
+    @property
+    def max_batch_size(self) -> int:
+        """Rows one batch may hold: the explicit setting, else what the device's free memory allows for a
+        KV cache of 2,048 columns per row (a quarter of it on CPU, half on CUDA; at most 64 on CPU, where
+        larger batches stop paying, and 256 on CUDA)."""
+        if self._max_batch_size is not None:
+            return self._max_batch_size
+        per_row = self._decoder("continuous").cache.bytes_per_slot(self._cache_columns())
+        budget = self._cache_budget()
+        ceiling = 256 if self.device.type == "cuda" else 64
+        return ceiling if budget is None else max(1, min(ceiling, budget // per_row))
+
+    def _cache_columns(self) -> int:
+        limit = getattr(self.base_model.config, "max_position_embeddings", None) or 2048
+        return min(int(limit), 2048)
+
+    @functools.cached_property
+    def _memory_budget(self) -> int | None:
+        free = available_memory(self.device)
+        if free is None:
+            return None
+        return int(free * (0.5 if self.device.type == "cuda" else 0.25))
+
+    def _cache_budget(self) -> int | None:
+        """Bytes the continuous batch's KV cache may take (from the free memory seen at first use)."""
+        if self._max_batch_size is not None:
+            return None
+        return self._memory_budget
+
+    def _decoder(self, purpose: str) -> Decoder:
+        """The decoder of ``purpose``: "continuous" (the batching thread's) or "direct" (calls in the caller's
+        thread, e.g. GRPO rounds); each has its own static cache, they share the compiled steps."""
+        decoder = self._decoders.get(purpose)
+        if decoder is None:
+            decoder = Decoder(lambda: self._model, self.tokenizer, compile=self.compile_settings,
+                              stats=self.decode_stats)
+            reason = decoder.cache.supported()
+            if reason is not None:
+                raise ConfigError(f"model {self.name!r} cannot decode from a static cache: {reason}",
+                                  fix="load it with attn_implementation='sdpa'")
+            self._decoders[purpose] = decoder
+        return decoder
 
     def sample_ids(self, prompts: Sequence[Sequence[int]], rows: Sequence[RowSettings], *, adapter: Any = ...,
                    generator: Any = None) -> list[Sample]:
-        """Sample one completion per prompt in one batch, in the calling thread (no batcher).
+        """Sample one completion per prompt in one round, in the calling thread (no batcher).
 
         ``adapter`` pins the weights (see :meth:`complete_ids`); ``generator`` draws every row's
-        uniforms from one seeded stream (see :func:`flowopt.lm.sampling.sample`).
+        uniforms from one seeded stream (see :mod:`flowopt.lm.decode`).
         """
         for prompt, row in zip(prompts, rows):
-            self._check_length(prompt, row.max_new_tokens)
+            self.check_length(prompt, row.max_new_tokens)
         with self.using_adapter(adapter):
-            return sample(self._model, self.tokenizer, prompts, rows, generator=generator)
+            return sample(self._model, self.tokenizer, prompts, rows, generator=generator,
+                          decoder=self._decoder("direct"))
 
-    def _run_batch(self, state: str | None, items: list[tuple[list[int], RowSettings]]) -> list[Sample]:
-        with self.using_adapter(state):
-            return sample(self._model, self.tokenizer, [i[0] for i in items], [i[1] for i in items])
+    def _pinned_state(self, adapter: Any) -> str | None:
+        state = self._state() if adapter is ... else adapter
+        if state is not None:
+            self._check_name(state)
+        return state
 
-    def complete_ids(self, prompt_ids: Sequence[int], settings: RowSettings, *, adapter: Any = ...) -> Sample:
-        """Generate one completion through the dynamic batcher (what the DSPy engine calls; thread-safe).
+    def complete_ids(self, prompt_ids: Sequence[int], settings: RowSettings, *, adapter: Any = ...,
+                     on_tokens: OnTokens | None = None) -> Sample:
+        """Generate one completion in the continuous batch (what the DSPy engine calls; thread-safe).
 
         ``adapter`` pins the weights of this call: an attached adapter's name, or None for the base
-        weights; the default (``...``) uses the default weights (:attr:`active_adapter`). Calls are
-        batched only with calls of the same weights.
+        weights; the default (``...``) uses the default weights (:attr:`active_adapter`). Calls share a
+        batch only with calls of the same weights. ``on_tokens(ids)``, when given, is called from the
+        decode thread with each step's new token ids of this call (quick, and no model calls inside);
+        returning False cancels it: the call returns what was decoded, ``finish_reason="cancelled"``
+        (:mod:`flowopt.lm.continuous`).
         """
-        self._check_length(prompt_ids, settings.max_new_tokens)
-        state = self._state() if adapter is ... else adapter
-        if state is not None:
-            self._check_name(state)
-        return self._batcher.submit((list(prompt_ids), settings), group=state)
+        self.check_length(prompt_ids, settings.max_new_tokens)
+        state = self._pinned_state(adapter)
+        return self._batcher.submit(list(prompt_ids), settings, group=state, on_tokens=on_tokens).result()
 
-    def complete_many(self, prompt_ids: Sequence[int], settings: Sequence[RowSettings], *,
-                      adapter: Any = ...) -> list[Sample]:
-        """Several completions of one prompt through the batcher (they join the same batch; thread-safe);
-        ``adapter`` pins the weights as in :meth:`complete_ids`."""
+    def complete_many(self, prompt_ids: Sequence[int], settings: Sequence[RowSettings], *, adapter: Any = ...,
+                      on_tokens: Callable[[int, list[int]], bool | None] | None = None) -> list[Sample]:
+        """Several completions of one prompt in the continuous batch (thread-safe); ``adapter`` pins the
+        weights as in :meth:`complete_ids`. ``on_tokens(index, ids)`` is one callback for all of them,
+        given the completion's index in ``settings``; returning False cancels that completion only."""
         for row in settings:
-            self._check_length(prompt_ids, row.max_new_tokens)
-        state = self._state() if adapter is ... else adapter
-        if state is not None:
-            self._check_name(state)
-        futures = [self._batcher.submit_async((list(prompt_ids), row), group=state) for row in settings]
+            self.check_length(prompt_ids, row.max_new_tokens)
+        state = self._pinned_state(adapter)
+        futures = [self._batcher.submit(list(prompt_ids), row, group=state,
+                                        on_tokens=None if on_tokens is None else functools.partial(on_tokens, i))
+                   for i, row in enumerate(settings)]
         return [future.result() for future in futures]
 
     def generate(self, prompts: Sequence[Prompt], *, n: int = 1, max_new_tokens: int | None = None,
@@ -266,7 +333,7 @@ class LocalLM(PromptRendering, AdapterSet):
                                         stop=tuple(stop), logprobs=logprobs))
                 ids.append(prompt_ids)
                 index.append(i)
-        size = batch_size or self._batcher.max_batch_size
+        size = batch_size or self.max_batch_size
         samples: list[Sample] = []
         for start in range(0, len(rows), size):
             samples.extend(self.sample_ids(ids[start:start + size], rows[start:start + size], adapter=adapter))
@@ -333,10 +400,12 @@ class LocalLM(PromptRendering, AdapterSet):
         return {"model": f"local/{self.name}", "source": self.source, "adapter": adapter, "chat": self.chat,
                 "device": self._requested["device"], "dtype": self._requested["dtype"],
                 "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                "batch_wait_ms": self._batcher.wait_s * 1000, "max_batch_size": self._batcher.max_batch_size}
+                "batch_wait_ms": self._batch_wait_ms, "max_batch_size": self._max_batch_size,
+                "compile": self._compile_asked}
 
     _SPEC_KEYS = frozenset({"model", "source", "adapter", "chat", "device", "dtype", "max_new_tokens",
-                            "temperature", "batch_wait_ms", "max_batch_size", "max_tokens", "model_type"})
+                            "temperature", "batch_wait_ms", "max_batch_size", "compile", "max_tokens",
+                            "model_type"})
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> LocalLM:
@@ -352,7 +421,7 @@ class LocalLM(PromptRendering, AdapterSet):
         name = model[len("local/"):].partition("@")[0]
         source = spec.get("source") or name
         kwargs = {k: spec[k] for k in ("device", "dtype", "adapter", "chat", "max_new_tokens", "temperature",
-                                       "batch_wait_ms", "max_batch_size") if spec.get(k) is not None}
+                                       "batch_wait_ms", "max_batch_size", "compile") if spec.get(k) is not None}
         if spec.get("max_tokens") is not None and "max_new_tokens" not in kwargs:
             kwargs["max_new_tokens"] = int(spec["max_tokens"])
         return cls(source, name=name, **kwargs)
@@ -360,7 +429,7 @@ class LocalLM(PromptRendering, AdapterSet):
     # -- plumbing ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the batching thread (the model stays usable for direct calls)."""
+        """Stop the decoding thread (the model stays usable for direct calls)."""
         self._batcher.close()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LocalLM:
