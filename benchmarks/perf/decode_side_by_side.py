@@ -34,7 +34,7 @@ from typing import Any
 from flowopt.benchmarks.perf.harness import Goal, PerfParser, interleaved, markdown_table, setup_logging, start_run
 from flowopt.benchmarks.perf.lm_workload import gsm8k_prompts
 
-SMOKE = {"model": "tiny", "callers": "1,4", "tokens": 4, "repeats": 1, "impls": "local,generate"}
+SMOKE = {"model": "tiny", "callers": "1,4", "tokens": 4, "repeats": 1, "impls": "local,generate", "dtype": "float32"}
 IMPLS = ("local", "local-compiled", "generate", "generate-static")
 
 

@@ -82,12 +82,12 @@ class Decoder:
         self._get_model = get_model
         self.tokenizer = tokenizer
         model = get_model()
-        self.cache = SlotCache(model)
+        self.settings = compile or CompileSettings()
+        self.cache = SlotCache(model, static_addresses=self.settings.enabled)
         self.pad = pad_id(tokenizer)
         self.eos = set(eos_ids(model, tokenizer))
         self.stops = StopCheck(tokenizer)
         self.stats = stats or DecodeStats()
-        self.settings = compile or CompileSettings()
         self._parts: tuple[Any, Halves] | None = None
         self._compiled: Any = None
         self._shapes: set[tuple[int, int]] = set()

@@ -1,14 +1,14 @@
 """``LocalLM``: a transformers causal LM in this process, served to DSPy and to training code.
 
-One object owns the weights, the tokenizer, the LoRA adapters and a dynamic batcher. DSPy sees it
+One object owns the weights, the tokenizer, the LoRA adapters and a continuous batch. DSPy sees it
 through :attr:`LocalLM.lm`, a ``dspy.LM("local/<name>", engine=...)`` (DSPy 3.4's custom-engine
 contract), so DSPy's cache, retries, ``n`` fan-out, history and callbacks apply unchanged. Training
 code (the weights stages) uses the same object directly: :attr:`model`, :attr:`tokenizer`,
 :meth:`render`, :meth:`generate`, :meth:`token_logprobs` and the adapter methods.
 
 The class is assembled by purpose: loading and device/dtype choice (:mod:`flowopt.lm.loading`),
-prompts (:mod:`flowopt.lm.prompts`), adapters (:mod:`flowopt.lm.adapters`), generation (the sampler,
-:mod:`flowopt.lm.sampling`, behind a batcher, :mod:`flowopt.lm.batching`) and scoring
+prompts (:mod:`flowopt.lm.prompts`), adapters (:mod:`flowopt.lm.adapters`), generation (the decode
+loop over a static KV cache, :mod:`flowopt.lm.decoder`, fed by :mod:`flowopt.lm.continuous`) and scoring
 (:mod:`flowopt.lm.scoring`); this module holds the object and its thin calls into them.
 """
 
@@ -26,14 +26,14 @@ from flowopt.errors import ConfigError, LMError
 from flowopt.lm.adapters import AdapterSet
 from flowopt.lm.continuous import ContinuousBatcher
 from flowopt.lm.decode import OnTokens
-from flowopt.lm.decoder import CompileSettings, Decoder
+from flowopt.lm.decoder import CompileSettings
+from flowopt.lm.decoding import DecodeCapacity
 from flowopt.lm.loading import contiguous_output_projection, dir_fingerprint, load_pretrained
 from flowopt.lm.packing import pack
 from flowopt.lm.prompts import RENDER_CACHE_SIZE, Prompt, PromptRendering
 from flowopt.lm.sampling import RowSettings, Sample, derive_seed, sample
-from flowopt.lm.slots import available_memory
-from flowopt.lm.stats import DecodeStats
 from flowopt.lm.scoring import completion_logprobs
+from flowopt.lm.stats import DecodeStats
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from flowopt.lm.engine import LocalDSPyLM
 
 
-class LocalLM(PromptRendering, AdapterSet):
+class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
     """A local transformers model usable from DSPy (via :attr:`lm`) and from training code.
 
     ``model`` is a registered name (``"gemma-3-270m"``, the embedded default, converted once from the
@@ -67,6 +67,12 @@ class LocalLM(PromptRendering, AdapterSet):
     of ``local.model`` when other threads may be generating (and make no LM calls while holding it: the
     batching thread needs it). After an optimizer step call :meth:`mark_weights_changed`, so DSPy's
     cache stops answering with the old weights' results.
+
+    Concurrent calls share one continuous batch (rows join between decode steps and leave when they
+    end) of at most ``max_batch_size`` rows (None: from the device's free memory). ``compile`` compiles
+    the decode step with ``torch.compile`` once per batch bucket (None: on CUDA, where CUDA graphs pay,
+    not on CPU, where it did not pay for the embedded Gemma); ``local.decode_stats.summary()`` reports
+    rows per step over time and compile seconds.
 
     Through DSPy, ``n`` candidates are ``n`` engine calls of one request (DSPy's fan-out); with a fixed
     ``seed`` they are therefore identical, so leave ``seed`` unset for diverse candidates, or use
@@ -160,7 +166,7 @@ class LocalLM(PromptRendering, AdapterSet):
         # did not pay for the embedded Gemma at batch 1 (benchmarks/results/decode_side_by_side_cpu.md).
         self.compile_settings = CompileSettings(enabled=on_cuda if compile is None else bool(compile))
         self.decode_stats = DecodeStats(cuda=on_cuda)
-        self._decoders: dict[str, Decoder] = {}
+        self._decoders = {}
         self._batcher = ContinuousBatcher(
             lambda: self._decoder("continuous"), self.using_adapter, max_batch_size=lambda: self.max_batch_size,
             budget=self._cache_budget, wait_ms=batch_wait_ms, name=f"flowopt-lm-{name}")
@@ -211,49 +217,6 @@ class LocalLM(PromptRendering, AdapterSet):
                           f"model's context of {limit}", fix="shorten the prompt or lower max_tokens")
 
     # -- decoding ----------------------------------------------------------------------------------
-
-    @property
-    def max_batch_size(self) -> int:
-        """Rows one batch may hold: the explicit setting, else what the device's free memory allows for a
-        KV cache of 2,048 columns per row (a quarter of it on CPU, half on CUDA; at most 64 on CPU, where
-        larger batches stop paying, and 256 on CUDA)."""
-        if self._max_batch_size is not None:
-            return self._max_batch_size
-        per_row = self._decoder("continuous").cache.bytes_per_slot(self._cache_columns())
-        budget = self._cache_budget()
-        ceiling = 256 if self.device.type == "cuda" else 64
-        return ceiling if budget is None else max(1, min(ceiling, budget // per_row))
-
-    def _cache_columns(self) -> int:
-        limit = getattr(self.base_model.config, "max_position_embeddings", None) or 2048
-        return min(int(limit), 2048)
-
-    @functools.cached_property
-    def _memory_budget(self) -> int | None:
-        free = available_memory(self.device)
-        if free is None:
-            return None
-        return int(free * (0.5 if self.device.type == "cuda" else 0.25))
-
-    def _cache_budget(self) -> int | None:
-        """Bytes the continuous batch's KV cache may take (from the free memory seen at first use)."""
-        if self._max_batch_size is not None:
-            return None
-        return self._memory_budget
-
-    def _decoder(self, purpose: str) -> Decoder:
-        """The decoder of ``purpose``: "continuous" (the batching thread's) or "direct" (calls in the caller's
-        thread, e.g. GRPO rounds); each has its own static cache, they share the compiled steps."""
-        decoder = self._decoders.get(purpose)
-        if decoder is None:
-            decoder = Decoder(lambda: self._model, self.tokenizer, compile=self.compile_settings,
-                              stats=self.decode_stats)
-            reason = decoder.cache.supported()
-            if reason is not None:
-                raise ConfigError(f"model {self.name!r} cannot decode from a static cache: {reason}",
-                                  fix="load it with attn_implementation='sdpa'")
-            self._decoders[purpose] = decoder
-        return decoder
 
     def sample_ids(self, prompts: Sequence[Sequence[int]], rows: Sequence[RowSettings], *, adapter: Any = ...,
                    generator: Any = None) -> list[Sample]:

@@ -45,7 +45,8 @@ def power_of_two(n: int, floor: int = 1) -> int:
 class SlotCache:
     """Per-layer static key/value tensors of ``capacity`` row slots and ``length`` columns (grown on demand)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, static_addresses: bool = False) -> None:
+        self.static_addresses = static_addresses  # mark tensors for CUDA graphs (imports torch._dynamo: seconds)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = base.config.get_text_config(decoder=True)
         self.layers = int(config.num_hidden_layers)
@@ -103,7 +104,7 @@ class SlotCache:
         import torch
         from transformers.cache_utils import Cache, StaticLayer
 
-        layers = []
+        layers: list[Any] = []
         for keys, values in zip(self.keys, self.values):
             layer = StaticLayer(max_cache_len=self.length)
             layer.device = self.device
@@ -112,7 +113,7 @@ class SlotCache:
             layer.keys, layer.values = keys[start:stop], values[start:stop]
             layer.cumulative_length = torch.zeros((), dtype=torch.long, device=self.device)
             layer.is_initialized = True
-            for tensor in (layer.keys, layer.values, layer.cumulative_length):
+            for tensor in (layer.keys, layer.values, layer.cumulative_length) if self.static_addresses else ():
                 # Fixed addresses: a compiled step with CUDA graphs writes the cache in place.
                 torch._dynamo.mark_static_address(tensor)
             layers.append(layer)

@@ -125,3 +125,25 @@ def test_a_failing_compiler_falls_back_to_eager_and_says_so_once(tiny_local, mon
     assert out[0].completion_ids == _reference(tiny_local, prompt, 5)[:len(out[0].completion_ids)]
     assert sum("decoding eagerly" in r.message for r in caplog.records) == 1
     assert broken.stats.eager_reason
+
+
+def test_a_model_failure_reaches_every_caller_and_the_batcher_serves_on():
+    from flowopt.lm.continuous import ContinuousBatcher
+
+    class Broken:
+        tokenizer, eos = None, set()
+
+        def admit(self, run, rows, budget=None):
+            raise RuntimeError("out of memory (simulated)")
+
+    import contextlib
+
+    batcher = ContinuousBatcher(Broken, lambda group: contextlib.nullcontext(), max_batch_size=lambda: 8,
+                                wait_ms=50)
+    futures = [batcher.submit([2, 5], RowSettings(max_new_tokens=3)) for _ in range(3)]
+    for future in futures:
+        with pytest.raises(RuntimeError, match="simulated"):
+            future.result(timeout=30)
+    with pytest.raises(RuntimeError, match="simulated"):  # the worker lived on and served the next call
+        batcher.submit([2, 5], RowSettings(max_new_tokens=3)).result(timeout=30)
+    batcher.close()
