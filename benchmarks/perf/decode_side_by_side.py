@@ -18,12 +18,24 @@ produced (a batched ``generate`` runs on to its longest row; that cost is counte
 round of every implementation and caller count is a warm-up (compilation happens there; its seconds are
 reported). Implementations are interleaved over ``--repeats`` and the median is reported.
 
-On a GPU machine (``../shared/gpu/README.md``, bundle built with ``build-bundle.sh .gpu --with-trl``), the
-prepared command is in benchmarks/results/decode_side_by_side_cpu.md ("GPU command").
+GPU command (one call on the lent GPU machine, ``/work/shared/gpu/README.md`` case (a); ready to run, not yet
+run: no GPU in the session that wrote this). Build the bundle from the committed HEAD, then make one call
+that carries ``.gpu``; it runs this script and the GRPO step against TRL, about 9 minutes in all::
+
+    ../shared/gpu/build-bundle.sh .gpu --with-trl
+    bash .gpu/run-on-gpu.sh --timeout 230 --log decode.log -- python3 -m flowopt.benchmarks.perf.decode_side_by_side \
+      --device cuda --model gemma-shaped --callers 1,8,64 --tokens 64 --repeats 2 --out "$OUT/decode_side_by_side_cuda"; \
+    bash .gpu/run-on-gpu.sh --timeout 290 --log grpo.log -- python3 -m flowopt.benchmarks.perf.grpo_throughput \
+      --model gemma-shaped --device cuda --threads 8 --batch 8 --group 8 --completion 64 --steps 4 --warmup 2 \
+      --repeats 2 --impls flowopt,flowopt-ckpt,trl,trl-nockpt --out "$OUT/grpo_throughput_cuda"
+
+Back in ``$OUT``: setup.log, decode.log, grpo.log and the two results' .json/.md (commit them under
+benchmarks/results/). The goals: ``local-compiled`` >= 1.0x ``generate-static`` at 1 caller and >= 0.9x at 64.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import tempfile
 import threading
@@ -33,6 +45,8 @@ from typing import Any
 
 from flowopt.benchmarks.perf.harness import Goal, PerfParser, interleaved, markdown_table, setup_logging, start_run
 from flowopt.benchmarks.perf.lm_workload import gsm8k_prompts
+
+logger = logging.getLogger(__name__)
 
 SMOKE = {"model": "tiny", "callers": "1,4", "tokens": 4, "repeats": 1, "impls": "local,generate", "dtype": "float32"}
 IMPLS = ("local", "local-compiled", "generate", "generate-static")
@@ -137,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, Any] = {"device": str(local.device), "dtype": str(local.dtype).replace("torch.", ""),
                                    "rates": {}, "warmup_s": {}, "tokens": {}}
         for c in callers:
+            logger.info("%d caller(s): warm-up of %s", c, ", ".join(impls))
             warm = {name: cases[name](c) for name in impls}  # compiles here
             results["warmup_s"][str(c)] = {name: round(s, 2) for name, (_, s) in warm.items()}
             runs = interleaved({name: (lambda name=name, c=c: cases[name](c)) for name in impls}, args.repeats)
             results["rates"][str(c)] = {n: round(statistics.median(k / s for k, s in v), 2) for n, v in runs.items()}
             results["tokens"][str(c)] = {n: [k for k, _ in v] for n, v in runs.items()}
+            logger.info("%d caller(s): tokens/s %s", c, results["rates"][str(c)])
         results["local_decode_stats"] = local.decode_stats.summary()
         results["local_compiled_decode_stats"] = compiled.decode_stats.summary()
         local.close()
