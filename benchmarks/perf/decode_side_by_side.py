@@ -24,7 +24,8 @@ that carries ``.gpu``; it runs this script and the GRPO step against TRL, about 
 
     ../shared/gpu/build-bundle.sh .gpu --with-trl
     bash .gpu/run-on-gpu.sh --timeout 230 --log decode.log -- python3 -m flowopt.benchmarks.perf.decode_side_by_side \
-      --device cuda --model gemma-shaped --callers 1,8,64 --tokens 64 --repeats 2 --out "$OUT/decode_side_by_side_cuda"; \
+      --device cuda --model gemma-shaped --callers 1,8,64 --tokens 64 --repeats 2 \
+      --out "$OUT/decode_side_by_side_cuda"; \
     bash .gpu/run-on-gpu.sh --timeout 290 --log grpo.log -- python3 -m flowopt.benchmarks.perf.grpo_throughput \
       --model gemma-shaped --device cuda --threads 8 --batch 8 --group 8 --completion 64 --steps 4 --warmup 2 \
       --repeats 2 --impls flowopt,flowopt-ckpt,trl,trl-nockpt --out "$OUT/grpo_throughput_cuda"
