@@ -97,21 +97,20 @@ def test_the_batch_cap_follows_the_setting_or_the_devices_memory(tiny_model_dir)
         LocalLM(tiny_model_dir, device="cpu", max_batch_size=0)
 
 
-def test_the_compiled_step_gives_the_eager_tokens_once_per_bucket(tiny_local, monkeypatch):
+def test_the_compiled_step_gives_the_eager_tokens(tiny_local, monkeypatch):
     """Dynamo captures the step (``aot_eager``: the graph without inductor's code generation, so the test
-    stays fast); greedy tokens must equal the eager loop's, and each (bucket, cache length) is timed once."""
+    stays fast; one bucket); greedy tokens and log-probs must equal the eager loop's, compile time is recorded."""
     monkeypatch.setattr(decoder_module, "_compile_failure", [])
     model, tokenizer = tiny_local.model, tiny_local.tokenizer
-    prompts = [tokenizer(t)["input_ids"] for t in TEXTS[:2]]
-    rows = [RowSettings(max_new_tokens=2, logprobs=True), RowSettings(max_new_tokens=6, logprobs=True)]
+    prompts = [tokenizer(TEXTS[0])["input_ids"]]
+    rows = [RowSettings(max_new_tokens=6, logprobs=True)]
     eager = sample(model, tokenizer, prompts, rows)
     compiled = Decoder(lambda: model, tokenizer, compile=CompileSettings(enabled=True, backend="aot_eager"))
     out = sample(model, tokenizer, prompts, rows, decoder=compiled)
     again = sample(model, tokenizer, prompts, rows, decoder=compiled)
     assert [s.completion_ids for s in out] == [s.completion_ids for s in eager] == [s.completion_ids for s in again]
-    for a, b in zip(out, eager):
-        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
-    assert set(compiled.stats.compile_seconds) == {"batch 2, cache 256", "batch 1, cache 256"}
+    assert torch.allclose(out[0].logprobs, eager[0].logprobs, atol=1e-5)
+    assert set(compiled.stats.compile_seconds) == {"batch 1, cache 256"}  # timed once, not again
     assert compiled.stats.eager_reason is None
 
 
