@@ -356,7 +356,7 @@ class Workflow(dspy.Module):
         values: dict[str, dict[str, Any]] = {INPUT: dict(inputs)}
         if self._max_width(order) <= 1:
             for node_id in order:
-                values[node_id] = self._run_node(node_id, values)
+                values[node_id] = self.run_node(node_id, values)
         else:
             self._run_concurrently(order, values)
         out = {dst: values[src][src_field] for dst, (src, src_field) in self.sources(OUTPUT).items()}
@@ -382,7 +382,7 @@ class Workflow(dspy.Module):
                     # Each task runs in a copy of the caller's context, so dspy.context(lm=..., trace=...)
                     # set by the caller (e.g. an optimizer) applies inside the worker thread too.
                     ctx = contextvars.copy_context()
-                    running[pool.submit(ctx.run, self._run_node, node_id, values)] = node_id
+                    running[pool.submit(ctx.run, self.run_node, node_id, values)] = node_id
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
                     node_id = running.pop(future)
@@ -390,11 +390,13 @@ class Workflow(dspy.Module):
                     for deps in remaining.values():
                         deps.discard(node_id)
 
-    def _run_node(self, node_id: str, values: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def run_node(self, node_id: str, values: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Run one node on the outputs computed so far (``values``: node id -> its output fields, the
+        inputs under ``INPUT``), with its own LM bound; its output fields."""
         kwargs = {dst: values[src][src_field] for dst, (src, src_field) in self.sources(node_id).items()}
         op = self.nodes[node_id]
         overrides: dict[str, Any] = {}
-        lm = self._lm_for(node_id)
+        lm = self.lm_for(node_id)
         if lm is not None:
             overrides["lm"] = lm
         if dspy.settings.adapter is None:
@@ -407,7 +409,8 @@ class Workflow(dspy.Module):
             pred = op(**kwargs)
         return {name: pred[name] for name in op.spec.output_names}
 
-    def _lm_for(self, node_id: str) -> Any:
+    def lm_for(self, node_id: str) -> Any:
+        """The LM node ``node_id`` runs on (``None``: the ambient one), built on first use when loaded."""
         name = self.node_lms.get(node_id)
         if name is None:
             return None

@@ -14,14 +14,15 @@ Cache hits are the calls that returned minus the real ones: they are free and co
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from flowopt.errors import BudgetExhausted, ConfigError
+from flowopt.compiler.dspy_hooks import BudgetCallback, HistoryRecorder, UsageForwarder
+from flowopt.errors import BudgetExhausted
+from flowopt.settings import at_least, check_stage
 
 LIMITS = ("max_lm_calls", "max_tokens", "max_cost_usd", "max_wall_s")
 
@@ -29,6 +30,9 @@ LIMITS = ("max_lm_calls", "max_tokens", "max_cost_usd", "max_wall_s")
 @dataclass(frozen=True)
 class Budget:
     """Limits shared by every stage of one ``compile()`` call; ``None`` means unlimited.
+
+    ``max_lm_calls`` and ``max_tokens`` are whole numbers; ``max_cost_usd`` (dollars) and
+    ``max_wall_s`` (seconds) any finite number >= 0.
 
     Example:
         >>> from flowopt import Budget
@@ -42,16 +46,7 @@ class Budget:
     max_wall_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in LIMITS:
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-                raise ConfigError(f"Budget {name} must be a number >= 0 or None, got {value!r}",
-                                  fix=f"pass {name}=100 (or leave it out for no limit)")
-            if name in ("max_lm_calls", "max_tokens") and int(value) != value:
-                raise ConfigError(f"Budget {name} must be a whole number, got {value!r}",
-                                  fix=f"pass {name}={int(value)}")
+        check_stage(self, {name: at_least(0) for name in LIMITS})  # NaN and infinity are refused too
 
     def limits(self) -> dict[str, float]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -166,8 +161,6 @@ class BudgetTracker:
         """
         import dspy
 
-        from flowopt.compiler._dspy_hooks import BudgetCallback, HistoryRecorder, UsageForwarder
-
         settings = dspy.settings
         callback = BudgetCallback(self)
         previous = list(settings.get("callbacks", None) or [])
@@ -179,20 +172,23 @@ class BudgetTracker:
             yield self
 
     # ------------------------------------------------------------------ hooks (called by DSPy)
-    def _before_call(self) -> None:
+    def before_call(self) -> None:
+        """An LM call is about to be sent: refuse it (:class:`BudgetStop`) when a limit is reached."""
         with self._lock:
             limit = self._exhausted_locked(pending=self._in_flight)
             if limit is not None:
                 raise BudgetStop(self._error(limit, pending=self._in_flight))
             self._in_flight += 1
 
-    def _after_call(self, ok: bool) -> None:
+    def after_call(self, ok: bool) -> None:
+        """An LM call returned (``ok``) or failed."""
         with self._lock:
             self._in_flight = max(0, self._in_flight - 1)
             if ok:
                 self._returned += 1
 
-    def _add_real(self, usage: dict[str, Any]) -> None:
+    def add_real(self, usage: dict[str, Any]) -> None:
+        """A call that reached the model (not DSPy's cache), with its token usage."""
         tokens = usage.get("total_tokens")
         if not isinstance(tokens, int | float):
             tokens = (usage.get("prompt_tokens") or 0) + (usage.get("completion_tokens") or 0)
@@ -200,7 +196,8 @@ class BudgetTracker:
             self._calls += 1
             self._tokens += int(tokens or 0)
 
-    def _add_cost(self, cost: float) -> None:
+    def add_cost(self, cost: float) -> None:
+        """The dollar cost of a real call."""
         with self._lock:
             self._cost += float(cost)
 
