@@ -71,8 +71,8 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
     Concurrent calls share one continuous batch (rows join between decode steps and leave when they
     end) of at most ``max_batch_size`` rows (None: from the device's free memory). ``compile`` compiles
     the decode step with ``torch.compile`` once per batch bucket (None: on CUDA, where CUDA graphs pay,
-    not on CPU, where it did not pay for the embedded Gemma); ``local.decode_stats.summary()`` reports
-    rows per step over time and compile seconds.
+    not on CPU, where compiling one bucket took longer than an evaluation); ``local.decode_stats.summary()``
+    reports rows per step over time and compile seconds.
 
     Through DSPy, ``n`` candidates are ``n`` engine calls of one request (DSPy's fan-out); with a fixed
     ``seed`` they are therefore identical, so leave ``seed`` unset for diverse candidates, or use
@@ -162,8 +162,9 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
         self._max_batch_size = max_batch_size
         self._compile_asked = compile
         on_cuda = self.device.type == "cuda"
-        # Compiling pays on CUDA (CUDA graphs remove the per-kernel launch cost of each step); on CPU it
-        # did not pay for the embedded Gemma at batch 1 (benchmarks/results/decode_side_by_side_cpu.md).
+        # Compiling pays on CUDA (CUDA graphs remove the per-kernel launch cost of each step). On the shared
+        # 2-core CPU, inductor took 1,017 s to compile the embedded Gemma's step for one batch bucket
+        # (benchmarks/results/decode_side_by_side_cpu.md), more than a whole evaluation decodes in: off.
         self.compile_settings = CompileSettings(enabled=on_cuda if compile is None else bool(compile))
         self.decode_stats = DecodeStats(cuda=on_cuda)
         self._decoders = {}
