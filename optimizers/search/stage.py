@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
+from flowopt.optimizers.search.kinds import KINDS, LEADER, plan_extra
 from flowopt.optimizers.search.pruning import (
     ALPHA,
     PRUNE_RULES,
@@ -86,6 +88,7 @@ from flowopt.settings import above, at_least, between, check_stage, one_of
 SAMPLERS = ("random", "tpe")
 PRUNERS = PRUNE_RULES
 WHY_PRUNED = "why_pruned"  # user attr: the pruner's reason, in words
+STAGE_CALLS = "stage_calls"  # study user attr: the LM calls the search has made, over runs (for the allowance)
 FRESH_CHUNKS, FRESH_CHUNK_MIN = 4, 8  # the finalists' fresh examples come in about 4 chunks of at least 8
 
 
@@ -160,10 +163,11 @@ class RandomSearch(Stage):
     """
 
     name: ClassVar[str] = "search"
-    n_candidates: int = 16
+    n_candidates: int = 19
     seeded: int | None = None
     extra: int | None = None
-    max_extra: int = 32
+    max_extra: int = 48
+    kinds: Sequence[str] = KINDS
     max_demos: int = 4
     search_k: bool = True
     pool_size: int = 16
@@ -177,8 +181,8 @@ class RandomSearch(Stage):
     parallel: int | None = None
     finalists: int = 3
     instructions: Mapping[str, Sequence[str]] | None = None
-    proposer_lm: Any = None
-    n_proposals: int = 3
+    proposer_lm: Any = "task"
+    n_proposals: int = 5
     temperatures: Sequence[float] = ()
     ensemble_n: Sequence[int] = ()
     storage: str | None = None
@@ -198,6 +202,9 @@ class RandomSearch(Stage):
             "alpha": above(0.0, 0.5), "sampler": one_of(*SAMPLERS), "pruner": one_of(*PRUNERS),
             "temperatures": between(0.0, 2.0), "ensemble_n": at_least(1),
         })
+        if not self.kinds or not set(self.kinds) <= set(KINDS):
+            raise ConfigError(f"RandomSearch kinds must be a non-empty subset of {list(KINDS)}, got {self.kinds!r}",
+                              fix=f"pass kinds={list(KINDS)!r}, or some of them")
         if self.stale_after_s < 2 * self.heartbeat_s:  # a live worker must get two heartbeats in
             raise ConfigError(f"RandomSearch stale_after_s must be >= 2 * heartbeat_s ({2 * self.heartbeat_s}), "
                               f"got {self.stale_after_s!r}", fix=f"pass stale_after_s={max(60, 2 * self.heartbeat_s)}")
@@ -241,32 +248,40 @@ class RandomSearch(Stage):
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        start_calls = ctx.budget.snapshot().lm_calls
+        planned = self.planned_count(len(ctx.valset), ctx.budget.remaining_calls())
         with ThreadPoolExecutor(max_workers=max(1, ctx.num_threads), thread_name_prefix="flowopt-search") as lm_pool:
-            space = SearchSpace.build(self, program, ctx, lm_pool)
+            space = SearchSpace.build(self, program, ctx, lm_pool, planned)
         study = open_study(self.storage, self.study_name, optuna.pruners.NopPruner(), ctx.run_dir, ctx.resume)
         order = list(ctx.valset)
         ctx.rng.shuffle(order)  # one fixed order: the candidates' scores are paired example by example
         n = len(order)
         ends = self.rung_ends(n)
-        planned = self.n_candidates
-        width = self.parallel or (planned if self.sampler == "random" else 4)
+        budgeted = ctx.budget.remaining_calls() is not None
+        # Under a call budget the planned candidates race 4 at a time, so each wave ends scored before the next
+        # starts, and a wave starts only while the budget pays for it (a wave cut short returns nothing).
+        width = self.parallel or (planned if self.sampler == "random" and not budgeted else 4)
         stop_reason, extras = "done", 0
+        start_calls -= study.user_attrs.get(STAGE_CALLS, 0)  # resumed: the earlier run's calls count too
         bar = ctx.progress(total=planned, desc=f"{ctx.stage_name}: candidates",
                            initial=min(planned, finished_count(study)))
         try:
             while wave := next_wave(study, planned, width):
                 ctx.budget.check()
-                asked = [self._ask(study, space, program, ctx, number, previous) for number, previous in wave]
+                if budgeted and finished_count(study) and not self._affordable(study, n, len(wave), ctx):
+                    planned = 0  # no extras either
+                    break
+                asked = [self._ask(study, space, program, ctx, number, previous, planned) for number, previous in wave]
                 self.race(study, asked, order, ends, ctx)
                 bar.update(len(asked))
             extra_width = self.parallel or 4
-            while (count := self._extras_affordable(study, planned, n, extras, extra_width, ctx)) > 0:
+            while (count := self._extras_affordable(study, planned, n, extras, extra_width, ctx, start_calls)) > 0:
                 wave = next_wave(study, planned + extras + count, count, start=planned + extras)
                 extras += count
                 if not wave:
                     continue
                 ctx.budget.check()
-                asked = [self._ask(study, space, program, ctx, number, previous) for number, previous in wave]
+                asked = [self._ask(study, space, program, ctx, number, previous, planned) for number, previous in wave]
                 self.race(study, asked, order, ends, ctx)
                 bar.update(len(asked))
         except BudgetExhausted as err:
@@ -277,8 +292,27 @@ class RandomSearch(Stage):
             stop_reason = f"budget: {space.pool_exhausted_by}"
         return self._best(study, space, program, ctx, stop_reason, ends, n)
 
+    def planned_count(self, n_val: int, remaining: int | None) -> int:
+        """How many of the ``n_candidates`` planned candidates to race: all of them, or under a call
+        budget half of what it pays for at about a third of the valset each (what a pruned candidate
+        costs on average) after one valset for the finalists and the final check (at least 3): the
+        other half goes to extras of the kinds that win (:mod:`.kinds`)."""
+        if remaining is None or self.pruner == "none":
+            return self.n_candidates
+        per_candidate = max(first_look(n_val, self.minibatch_size), n_val / 3) + 2 * self.max_demos
+        return max(min(3, self.n_candidates), min(self.n_candidates, int((remaining - n_val) // per_candidate) // 2))
+
+    @staticmethod
+    def _affordable(study: Any, n_val: int, count: int, ctx: StageContext) -> bool:
+        """Does the call budget pay for ``count`` more candidates at what one cost so far, keeping half a
+        valset for the finalists' fresh examples (the pick's valset scores are memoised for the final check)?"""
+        trials = [t for t in study.get_trials(deepcopy=False) if SCORES in t.user_attrs]
+        per_candidate = sum(len(t.user_attrs[SCORES]) for t in trials) / max(1, len(trials))
+        remaining = ctx.budget.remaining_calls()
+        return remaining is None or remaining - n_val // 2 >= count * per_candidate
+
     def _extras_affordable(self, study: Any, planned: int, n_val: int, done: int, width: int,
-                           ctx: StageContext) -> int:
+                           ctx: StageContext, start_calls: int) -> int:
         """How many extra candidates to try next (0: stop)."""
         if self.extra is not None:
             return min(width, self.extra - done)
@@ -288,19 +322,29 @@ class RandomSearch(Stage):
         spent = sum(len(t.user_attrs[SCORES]) for t in trials)
         per_candidate = spent / max(1, len(trials))  # what a candidate cost, on average, so far
         remaining = ctx.budget.remaining_calls()
-        # Under a call budget keep one valset's worth of calls for the finalists and the final check;
-        # without one the allowance is what scoring every planned candidate fully would cost.
-        room = remaining - n_val if remaining is not None else planned * n_val - spent
+        # Under a call budget keep half a valset for the finalists' fresh examples.
+        # Without one the allowance is what BFRS pays for as many programs: every planned candidate
+        # scored on the whole valset (the incumbent's scores are the compiler's baseline), less every
+        # call of this stage so far (bootstraps, proposals, pruned and full scores) and half a valset
+        # kept for the finalists' fresh examples.
+        used = ctx.budget.snapshot().lm_calls - start_calls
+        study.set_user_attr(STAGE_CALLS, used)  # kept in the study: a resumed search counts them too
+        room = remaining - n_val // 2 if remaining is not None else (planned - 1) * n_val - used - n_val // 2
         return max(0, min(width, self.max_extra - done, int(room // max(1.0, per_candidate))))
 
     def _ask(self, study: Any, space: SearchSpace, program: dspy.Module, ctx: StageContext, number: int,
-             previous: Any) -> tuple[Any, dspy.Module]:
+             previous: Any, planned: int | None = None) -> tuple[Any, dspy.Module]:
+        """Ask candidate ``number``: rerun a cut-short one, enqueue a seeded one, plan an extra past the
+        ``planned`` ones by kind (:mod:`.kinds`; a shared study's plan passes none), or sample one."""
         if previous is not None:  # rerun a candidate cut short by a kill with the parameters it had
             attrs = {k: v for k, v in previous.user_attrs.items() if k not in (INTERRUPTED, SCORES)}
             study.enqueue_trial(dict(previous.params), user_attrs=attrs)
         elif number < len(space.seeded):
             kind, demos = space.seeded[number]
             study.enqueue_trial(space.fixed_params(), user_attrs={"candidate": number, "kind": kind, "demos": demos})
+        elif planned is not None and number >= planned and space.extra_kinds():  # an extra: changes the leader
+            plan_extra(study, space, ctx, number, self.sampler, self.n_candidates,
+                       lambda k: space.fresh_bootstrap(self, program, ctx, k))
         else:
             study.sampler = candidate_sampler(self.sampler, ctx.seed, number, self.n_candidates)
         trial = ask(study)
@@ -437,9 +481,11 @@ class RandomSearch(Stage):
                    if (count := sum(1 for t in pruned if len(t.user_attrs.get(SCORES, ())) == end))}
         ctx.record(candidates_tried=len(complete) + len(pruned), pruned=len(pruned), pruned_by_rung=by_rung,
                    fully_scored=len(complete), rungs=ends, pruner=self.pruner, stop_reason=stop_reason,
-                   extra=sum(1 for t in complete + pruned if t.user_attrs.get("candidate", 0) >= self.n_candidates),
-                   seeded=sum(1 for t in complete + pruned
-                              if t.user_attrs.get("kind") not in (None, "sampled", "incumbent")),
+                   extra=sum(1 for t in complete + pruned if LEADER in t.user_attrs
+                             or t.user_attrs.get("candidate", 0) >= self.n_candidates),
+                   seeded=sum(1 for t in complete + pruned if LEADER not in t.user_attrs
+                              and t.user_attrs.get("kind") not in (None, "sampled", "incumbent")),
+                   extra_kinds=dict(Counter(t.user_attrs["kind"] for t in complete + pruned if LEADER in t.user_attrs)),
                    pool_demos={n: len(p) for n, p in space.pools.items()},
                    instruction_candidates={n: len(c) for n, c in space.instructions.items()})
         if not complete:
