@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import math
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import dspy
@@ -81,7 +83,8 @@ def run_method(name: str, task: Task, threads: int, calls_of: dict[str, int]) ->
             mipro = dspy.MIPROv2(metric=metric, auto="light", num_threads=threads, seed=task.seed, verbose=False)
             out = mipro.compile(student, trainset=task.train, valset=task.val)
         elif name == "gepa_light":
-            def feedback(gold: Any, pred: Any, trace: Any = None, pred_name: Any = None, pred_trace: Any = None) -> float:
+            def feedback(gold: Any, pred: Any, trace: Any = None, pred_name: Any = None,
+                         pred_trace: Any = None) -> float:
                 return metric(gold, pred, trace)
 
             gepa = dspy.GEPA(metric=feedback, auto="light", reflection_lm=lm, num_threads=threads, seed=task.seed)
@@ -158,7 +161,8 @@ def goals(summary: dict[str, Any]) -> list[Goal]:
         pairs = summary.get(shape, {}).get("pairs", {})
         if (p := pairs.get("flowopt_defaults vs bfrs16")) is not None:
             if shape == DEMOS_ONLY:
-                out += [Goal.at_least(f"{shape}: defaults vs BFRS defaults, paired test difference", p["diff"][0], 0.01),
+                out += [Goal.at_least(f"{shape}: defaults vs BFRS defaults, paired test difference", p["diff"][0],
+                                      0.01),
                         Goal.at_least(f"{shape}: defaults vs BFRS defaults, lower end of the 95% CI", p["diff"][1],
                                       1e-6)]
             else:
@@ -197,6 +201,15 @@ def body(summary: dict[str, Any], args: Any) -> list[str]:
     return lines
 
 
+def _logged(path: Path | None, jobs: list[tuple[int, str]], methods: list[str]) -> list[dict[str, Any]]:
+    """The seeds of ``jobs`` already finished in the JSON-lines file at ``path``, with every one of ``methods``."""
+    if path is None or not path.exists():
+        return []
+    wanted = set(jobs)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if (r["seed"], r["shape"]) in wanted and set(methods) <= set(r["rows"])]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = PerfParser("search_defaults", __doc__, smoke=SMOKE)
     parser.add_argument("--seeds", type=int, default=40, help="seeds a shape")
@@ -208,18 +221,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val", type=int, default=100)
     parser.add_argument("--test", type=int, default=300)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--seeds-log", type=Path, default=None,
+                        help="append each finished seed to this JSON-lines file; seeds already there are not run "
+                             "again (a run stopped early goes on from it)")
     run = start_run(parser, argv)
     args = run.args
     args.methods = [m for m in METHODS if m in args.methods]  # peers before the rows that read their calls
     log = logging.getLogger("search_defaults")
     jobs = [(SHAPES.index(shape) + 3 * i, shape) for i in range(args.first_seed, args.first_seed + args.seeds)
             for shape in args.shapes]
-    results = []
+    results = _logged(args.seeds_log, jobs, args.methods)
+    todo = [job for job in jobs if (job[0], job[1]) not in {(r["seed"], r["shape"]) for r in results}]
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        for res in pool.map(run_seed, jobs, [args] * len(jobs)):
+        for res in pool.map(run_seed, todo, [args] * len(todo)):
             results.append(res)
+            if args.seeds_log is not None:
+                with args.seeds_log.open("a") as log_file:
+                    log_file.write(json.dumps(res) + "\n")
             log.info("seed %d (%s): %s", res["seed"], res["shape"],
                      {k: (round(v["test"], 3), v["lm_calls"]) for k, v in res["rows"].items()})
+    results.sort(key=lambda r: (SHAPES.index(r["shape"]), r["seed"]))
     summary = summarise(results, args.methods)
     run.finish("Defaults against defaults: compile() vs DSPy's optimizers, held-out test",
                {"summary": summary, "seeds": results}, body(summary, args), goals=goals(summary))
