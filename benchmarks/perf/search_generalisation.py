@@ -1,7 +1,8 @@
 """Does the search pick programs that generalise? flowopt's search vs DSPy's optimizers on held-out test.
 
 A simulated task family where the choice of demos (and instructions) really matters, scored on a
-held-out test split the optimizers never see:
+held-out test split the optimizers never see (the task: :mod:`~flowopt.benchmarks.perf.search_tasks`;
+``search_defaults`` runs it against DSPy's optimizers at everyone's defaults):
 
 * per seed: 60 train, 100 val, 300 test examples; each example has a hidden difficulty, each
   training example a hidden quality as a demo (some help, some hurt). Three task shapes rotate

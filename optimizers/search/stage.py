@@ -1,8 +1,8 @@
 """``RandomSearch``: optuna search over demo sets, instructions and node settings.
 
-Candidates, in this order (candidate numbers 0, 1, ...); by default the first ``n_candidates`` are
-DSPy's ``BootstrapFewShotWithRandomSearch`` (BFRS) set, so the search is never weaker than BFRS at
-the same count:
+Candidates, in this order (candidate numbers 0, 1, ...); by default the first ``n_candidates`` (19)
+are DSPy's ``BootstrapFewShotWithRandomSearch`` (BFRS) set at DSPy's defaults (16 candidate programs),
+so the search tries every program BFRS tries:
 
 * the incumbent (the program the stage starts from);
 * zero-shot (or, when the incumbent has no demos and so is the zero-shot program, DSPy's unshuffled
@@ -11,11 +11,16 @@ the same count:
   size, each with its own teacher and a random number of traces topped up with labeled demos (see
   :func:`~flowopt.optimizers.demos.shuffled_bootstrap`; with seed 0 these are BFRS's very
   candidates). ``seeded=k`` keeps only ``k`` bootstraps and samples the rest;
-* then extra candidates sampled by optuna (random, or TPE), paid for by what pruning saved (scoring
-  every planned candidate on the whole valset is the allowance) or, under a ``Budget`` with
-  ``max_lm_calls``, by what the budget leaves: per predictor a demo subset of 1..``max_demos``
-  demos from the union of every demo above, an instruction (the original, given ones, or ones
-  written by a proposer LM), and per node the temperature and the ``ScEnsemble`` sample count.
+* then extra candidates, paid for by what pruning saved (the allowance: BFRS's calls for as many
+  programs, every planned candidate scored on the whole valset, less every call the search made) or,
+  under a ``Budget`` with ``max_lm_calls``, by what the budget leaves. Each extra changes the leader
+  (the best fully scored candidate) in one way, of a *kind* learned during the search
+  (:mod:`~flowopt.optimizers.search.kinds`): a fresh full bootstrap, a demo subset of 1..``max_demos``
+  from the union of every demo above (drawn by optuna, random or TPE), another instruction (given
+  ones, or ones the task LM or a ``proposer_lm`` writes), or another temperature or ``ScEnsemble``
+  size. A Thompson bandit gives more of the calls to the kinds whose candidates beat their leader.
+  Under a call budget the planned set is cut to half of what the budget pays for, and raced 4 at a
+  time so each wave ends scored before the next starts.
 
 Candidates are raced in waves: the examples of every live candidate share one pool of
 ``num_threads`` threads, rung by rung over one shuffled order of the valset, and after each rung the
@@ -97,17 +102,21 @@ class RandomSearch(Stage):
     """Search demo sets, instructions and node settings with optuna; prune only what is shown worse.
 
     Default mix: the incumbent, zero-shot, labeled-only and ``n_candidates - 3`` shuffled bootstraps
-    (DSPy's BFRS set), then optuna-sampled extras (demo subsets of 1..``max_demos``, instructions,
-    node settings) paid for by the calls pruning saved or a ``Budget`` leaves.
+    (DSPy's BFRS set at its defaults), then extras that change the leader, of the kinds that win on
+    the task at hand (fresh bootstraps, demo subsets, instructions, node settings), paid for by the
+    calls pruning saved or a ``Budget`` leaves.
 
     Settings:
-        n_candidates: planned candidates, counting the incumbent, zero-shot and labeled-only ones.
+        n_candidates: planned candidates, counting the incumbent, zero-shot and labeled-only ones
+            (default 19: BFRS's 16 candidate programs and its 3 others).
         seeded: how many shuffled bootstraps among them (``None``: all ``n_candidates - 3``); the
             rest of the planned candidates are sampled.
         extra: sampled candidates beyond the planned ones: ``None`` (default) as many as the savings
             of pruning (or a ``max_lm_calls`` budget) pay for, at most ``max_extra``; an int: exactly
             that many.
         max_extra: cap on paid-for extras.
+        kinds: the kinds of extra candidate allowed: ``"bootstrap"``, ``"subset"``, ``"instruction"``,
+            ``"settings"`` (default all; a kind with nothing to vary is skipped).
         max_demos: bootstrapped demos per seeded candidate (1..max_demos, drawn per candidate) and
             demo slots of a sampled candidate.
         search_k: for sampled candidates, also search how many demos to show (1..max_demos).
@@ -141,7 +150,8 @@ class RandomSearch(Stage):
             ``"tpe"``; extras go 4 at a time).
         finalists: how many fully scored candidates to re-score against the winner's curse (0: off).
         instructions: extra candidate instructions per predictor name (``"*"``: every predictor).
-        proposer_lm: an LM that writes ``n_proposals`` more instructions per predictor.
+        proposer_lm: the LM that writes ``n_proposals`` more instructions per predictor: ``"task"``
+            (default) the program's own LM, ``None`` none.
         temperatures: temperatures to try per node (the current one is always a candidate).
         ensemble_n: sample counts to try for ``ScEnsemble`` nodes of a Workflow.
         storage: ``None`` (sqlite file ``run_dir/search.db``; in memory without a run_dir),
