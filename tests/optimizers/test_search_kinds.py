@@ -11,7 +11,7 @@ import dspy
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "compiler"))
-from fakes import category_lm, examples, exact, reverse_answer
+from fakes import category_lm, exact, examples, reverse_answer
 
 import flowopt
 from flowopt import ConfigError
