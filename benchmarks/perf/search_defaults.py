@@ -30,7 +30,6 @@ import contextlib
 import io
 import json
 import logging
-import math
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -40,7 +39,7 @@ from typing import Any
 import dspy
 
 from flowopt.benchmarks.perf.harness import Goal, PerfParser, markdown_table, setup_logging, start_run
-from flowopt.benchmarks.perf.search_tasks import DEMOS_ONLY, Task, metric
+from flowopt.benchmarks.perf.search_tasks import DEMOS_ONLY, Task, mean_ci, metric
 
 SHAPES = (DEMOS_ONLY, "needles", "instructions")
 METHODS = ("bfrs16", "mipro_light", "gepa_light", "flowopt_defaults", "bfrs8", "flowopt_bfrs8_candidates",
@@ -119,21 +118,13 @@ def run_seed(job: tuple[int, str], args: Any) -> dict[str, Any]:
     return {"seed": seed, "shape": shape, "rows": rows}
 
 
-def _ci(values: list[float]) -> list[float]:
-    from scipy.stats import t
-
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return [mean, mean, mean]
-    half = float(t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
-    return [mean, mean - half, mean + half]
 
 
 def compare(seeds: list[dict[str, Any]], ours: str, peer: str) -> dict[str, Any]:
     """Paired over ``seeds``: test difference [95% CI], better / equal / worse seeds, calls ratio."""
     diffs = [s["rows"][ours]["test"] - s["rows"][peer]["test"] for s in seeds]
     ratios = [s["rows"][ours]["lm_calls"] / s["rows"][peer]["lm_calls"] for s in seeds]
-    return {"diff": [round(x, 5) for x in _ci(diffs)], "better": sum(d > 1e-9 for d in diffs),
+    return {"diff": [round(x, 5) for x in mean_ci(diffs)], "better": sum(d > 1e-9 for d in diffs),
             "equal": sum(abs(d) <= 1e-9 for d in diffs), "worse": sum(d < -1e-9 for d in diffs),
             "calls_ratio": round(statistics.fmean(ratios), 4), "n": len(diffs)}
 

@@ -58,7 +58,7 @@ from typing import Any
 import dspy
 
 from flowopt.benchmarks.perf.harness import Goal, PerfParser, markdown_table, setup_logging, start_run
-from flowopt.benchmarks.perf.search_tasks import SHAPES, Task, metric
+from flowopt.benchmarks.perf.search_tasks import SHAPES, Task, mean_ci, metric
 from flowopt.optimizers.search.pruning import ALPHA
 
 STRICT_ALPHA = 0.05  # the stricter level a user can ask for (the default is pruning.ALPHA, 0.1)
@@ -282,14 +282,6 @@ def run_seed(seed: int, args: Any) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------- summary
-def _ci(values: list[float]) -> list[float]:
-    from scipy.stats import t
-
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return [mean, mean, mean]
-    half = float(t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
-    return [mean, mean - half, mean + half]
 
 
 def summarise(seeds: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]:
@@ -304,10 +296,10 @@ def summarise(seeds: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]
             "test_expected": statistics.fmean(r["test"]["expected"] for r in rows),
             "test_realised": statistics.fmean(r["test"]["realised"] for r in rows),
             "val_realised": statistics.fmean(r["val"]["realised"] for r in rows),
-            "diff_expected": _ci(diffs), "diff_realised": _ci(rdiffs),
+            "diff_expected": mean_ci(diffs), "diff_realised": mean_ci(rdiffs),
             "better": sum(d > 1e-12 for d in diffs), "worse": sum(d < -1e-12 for d in diffs),
             "lm_calls": statistics.fmean(r["lm_calls"] for r in rows),
-            "calls_ratio": statistics.fmean(ratios), "calls_ratio_ci": _ci(ratios),
+            "calls_ratio": statistics.fmean(ratios), "calls_ratio_ci": mean_ci(ratios),
             "wall_s": statistics.fmean(r["wall_s"] for r in rows),
         }
         errors = [r["pruner_error"] for r in rows if "pruner_error" in r]
@@ -579,7 +571,7 @@ def _variants_notes(rows: list[dict[str, Any]]) -> list[str]:
     strict = "flowopt8_extra0_alpha05"
     if costs and base and all(SAME_CANDIDATES in r and strict in r for r in rows):
         diffs = [r[SAME_CANDIDATES]["test"]["expected"] - r[strict]["test"]["expected"] for r in rows]
-        mean, low, high = _ci(diffs)
+        mean, low, high = mean_ci(diffs)
         calls = statistics.fmean(r[SAME_CANDIDATES]["lm_calls"] / r[strict]["lm_calls"] for r in rows)
         out.append(f"* The same candidates under other settings (the default, `alpha={ALPHA}` with the finalists: "
                    f"{cost(SAME_CANDIDATES)}; against `alpha={STRICT_ALPHA}`, paired over the seeds: test "

@@ -138,3 +138,14 @@ class Task:
 
 def metric(example: Any, pred: Any, trace: Any = None) -> float:
     return float(example.answer == pred.answer)
+
+
+def mean_ci(values: list[float]) -> list[float]:
+    """``[mean, low, high]``: the mean of ``values`` and its 95% t-interval (paired differences, one a seed)."""
+    from scipy.stats import t
+
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return [mean, mean, mean]
+    half = float(t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
+    return [mean, mean - half, mean + half]

@@ -194,7 +194,8 @@ class SearchSpace:
         vary (demos to draw, more than one instruction, settings to try)."""
         can = {"bootstrap": self.max_demos > 0, "subset": self.max_demos > 0 and any(self.pools.values()),
                "instruction": any(len(v) > 1 for v in self.instructions.values()),
-               "settings": any(len(v) > 1 for v in [*self.temps.values(), *self.ensemble.values()])}
+               "settings": any(len(v) > 1 for v in self.temps.values())
+               or any(len(v) > 1 for v in self.ensemble.values())}
         return [k for k in self.kinds if can.get(k)]
 
     def change_one(self, kind: str, params: dict[str, Any], rng: random.Random) -> dict[str, Any]:
