@@ -7,20 +7,13 @@ so the search tries every program BFRS tries:
 * the incumbent (the program the stage starts from);
 * zero-shot (or, when the incumbent has no demos and so is the zero-shot program, DSPy's unshuffled
   bootstrap: the demos stage's program, raced like the rest instead of scored in full), labeled
-  demos only, then ``n_candidates - 3`` shuffled bootstraps of DSPy's full demo
-  size, each with its own teacher and a random number of traces topped up with labeled demos (see
+  demos only, then ``n_candidates - 3`` shuffled bootstraps of DSPy's full demo size (see
   :func:`~flowopt.optimizers.demos.shuffled_bootstrap`; with seed 0 these are BFRS's very
   candidates). ``seeded=k`` keeps only ``k`` bootstraps and samples the rest;
-* then extra candidates, paid for by what pruning saved (the allowance: BFRS's calls for as many
-  programs, every planned candidate scored on the whole valset, less every call the search made) or,
-  under a ``Budget`` with ``max_lm_calls``, by what the budget leaves. Each extra changes the leader
-  (the best fully scored candidate) in one way, of a *kind* learned during the search
-  (:mod:`~flowopt.optimizers.search.kinds`): a fresh full bootstrap, a demo subset of 1..``max_demos``
-  from the union of every demo above (drawn by optuna, random or TPE), another instruction (given
-  ones, or ones the task LM or a ``proposer_lm`` writes), or another temperature or ``ScEnsemble``
-  size. A Thompson bandit gives more of the calls to the kinds whose candidates beat their leader.
-  Under a call budget the planned set is cut to half of what the budget pays for, and raced 4 at a
-  time so each wave ends scored before the next starts.
+* then extras paid for by what pruning saved or a budget leaves (:mod:`.allowance`), each a change
+  to the leader of a *kind* learned during the search (:mod:`.kinds`): a fresh bootstrap, a demo
+  subset drawn by optuna (random or TPE), another instruction (given, or written by the task LM or a
+  ``proposer_lm``), another temperature or ``ScEnsemble`` size.
 
 Candidates are raced in waves: the examples of every live candidate share one pool of
 ``num_threads`` threads, rung by rung over one shuffled order of the valset, and after each rung the
@@ -60,6 +53,7 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
+from flowopt.optimizers.search.allowance import STAGE_CALLS, extras_affordable, planned_count, wave_affordable
 from flowopt.optimizers.search.finalists import (
     candidate_number,
     close_finalists,
@@ -68,7 +62,7 @@ from flowopt.optimizers.search.finalists import (
 )
 from flowopt.optimizers.search.kinds import KINDS, LEADER, plan_extra
 from flowopt.optimizers.search.pruners import Look, Pruner, get_pruner, pruner_names
-from flowopt.optimizers.search.pruning import ALPHA, first_look, next_look
+from flowopt.optimizers.search.pruning import ALPHA, next_look
 from flowopt.optimizers.search.shared import run_shared
 from flowopt.optimizers.search.shared_storage import exclusive_run_dir, is_shared
 from flowopt.optimizers.search.space import CandidateSource, SearchSpace
@@ -88,17 +82,14 @@ from flowopt.settings import above, at_least, between, check_stage, one_of
 
 SAMPLERS = ("random", "tpe")
 WHY_PRUNED = "why_pruned"  # user attr: the pruner's reason, in words
-STAGE_CALLS = "stage_calls"  # study user attr: the LM calls the search has made, over runs (for the allowance)
 
 
 @dataclass(frozen=True)
 class RandomSearch(Stage):
     """Search demo sets, instructions and node settings with optuna; prune only what is shown worse.
 
-    Default mix: the incumbent, zero-shot, labeled-only and ``n_candidates - 3`` shuffled bootstraps
-    (DSPy's BFRS set at its defaults), then extras that change the leader, of the kinds that win on
-    the task at hand (fresh bootstraps, demo subsets, instructions, node settings), paid for by the
-    calls pruning saved or a ``Budget`` leaves.
+    Default mix: DSPy's BFRS set at its defaults, then extras that change the leader, of the kinds
+    that win on the task at hand, paid for by the calls pruning saved or a ``Budget`` leaves.
 
     Settings:
         n_candidates: planned candidates, counting the incumbent, zero-shot and labeled-only ones
@@ -109,8 +100,7 @@ class RandomSearch(Stage):
             of pruning (or a ``max_lm_calls`` budget) pay for, at most ``max_extra``; an int: exactly
             that many.
         max_extra: cap on paid-for extras.
-        kinds: the kinds of extra candidate allowed: ``"bootstrap"``, ``"subset"``, ``"instruction"``,
-            ``"settings"`` (default all; a kind with nothing to vary is skipped).
+        kinds: extra kinds allowed (:data:`~.kinds.KINDS`, default all; one with nothing to vary is skipped).
         max_demos: bootstrapped demos per seeded candidate (1..max_demos, drawn per candidate) and
             demo slots of a sampled candidate.
         search_k: for sampled candidates, also search how many demos to show (1..max_demos).
@@ -249,7 +239,7 @@ class RandomSearch(Stage):
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         start_calls = ctx.budget.snapshot().lm_calls
-        planned = self.planned_count(len(ctx.valset), ctx.budget.remaining_calls())
+        planned = planned_count(self, len(ctx.valset), ctx.budget.remaining_calls())
         with ThreadPoolExecutor(max_workers=max(1, ctx.num_threads), thread_name_prefix="flowopt-search") as lm_pool:
             space = SearchSpace.build(self, program, ctx, lm_pool, planned)
         study = open_study(self.storage, self.study_name, optuna.pruners.NopPruner(), ctx.run_dir, ctx.resume)
@@ -268,7 +258,7 @@ class RandomSearch(Stage):
         try:
             while wave := next_wave(study, planned, width):
                 ctx.budget.check()
-                if budgeted and finished_count(study) and not self._affordable(study, n, len(wave), ctx):
+                if budgeted and finished_count(study) and not wave_affordable(study, n, len(wave), ctx):
                     planned = 0  # no extras either
                     break
                 asked = [self.ask_candidate(study, space, program, ctx, number, previous, planned)
@@ -276,7 +266,7 @@ class RandomSearch(Stage):
                 self.race(study, asked, order, ends, ctx)
                 bar.update(len(asked))
             extra_width = self.parallel or 4
-            while (count := self._extras_affordable(study, planned, n, extras, extra_width, ctx, start_calls)) > 0:
+            while (count := extras_affordable(self, study, planned, n, extras, extra_width, ctx, start_calls)) > 0:
                 wave = next_wave(study, planned + extras + count, count, start=planned + extras)
                 extras += count
                 if not wave:
@@ -294,50 +284,9 @@ class RandomSearch(Stage):
             stop_reason = f"budget: {space.pool_exhausted_by}"
         return self.pick_best(study, space, program, ctx, stop_reason, ends, n)
 
-    def planned_count(self, n_val: int, remaining: int | None) -> int:
-        """How many of the ``n_candidates`` planned candidates to race: all of them, or under a call
-        budget half of what it pays for at about a third of the valset each (what a pruned candidate
-        costs on average) after one valset for the finalists and the final check (at least 3): the
-        other half goes to extras of the kinds that win (:mod:`.kinds`)."""
-        if remaining is None or self.pruner == "none":
-            return self.n_candidates
-        per_candidate = max(first_look(n_val, self.minibatch_size), n_val / 3) + 2 * self.max_demos
-        return max(min(3, self.n_candidates), min(self.n_candidates, int((remaining - n_val) // per_candidate) // 2))
-
-    @staticmethod
-    def _affordable(study: Any, n_val: int, count: int, ctx: StageContext) -> bool:
-        """Does the call budget pay for ``count`` more candidates at what one cost so far, keeping half a
-        valset for the finalists' fresh examples (the pick's valset scores are memoised for the final check)?"""
-        trials = [t for t in study.get_trials(deepcopy=False) if SCORES in t.user_attrs]
-        per_candidate = sum(len(t.user_attrs[SCORES]) for t in trials) / max(1, len(trials))
-        remaining = ctx.budget.remaining_calls()
-        return remaining is None or remaining - n_val // 2 >= count * per_candidate
-
-    def _extras_affordable(self, study: Any, planned: int, n_val: int, done: int, width: int,
-                           ctx: StageContext, start_calls: int) -> int:
-        """How many extra candidates to try next (0: stop)."""
-        if self.extra is not None:
-            return min(width, self.extra - done)
-        if done >= self.max_extra:
-            return 0
-        trials = [t for t in study.get_trials(deepcopy=False) if SCORES in t.user_attrs]
-        spent = sum(len(t.user_attrs[SCORES]) for t in trials)
-        per_candidate = spent / max(1, len(trials))  # what a candidate cost, on average, so far
-        remaining = ctx.budget.remaining_calls()
-        # Under a call budget keep half a valset for the finalists' fresh examples.
-        # Without one the allowance is what BFRS pays for as many programs: every planned candidate
-        # scored on the whole valset (the incumbent's scores are the compiler's baseline), less every
-        # call of this stage so far (bootstraps, proposals, pruned and full scores) and half a valset
-        # kept for the finalists' fresh examples.
-        used = ctx.budget.snapshot().lm_calls - start_calls
-        study.set_user_attr(STAGE_CALLS, used)  # kept in the study: a resumed search counts them too
-        room = remaining - n_val // 2 if remaining is not None else (planned - 1) * n_val - used - n_val // 2
-        return max(0, min(width, self.max_extra - done, int(room // max(1.0, per_candidate))))
-
     def ask_candidate(self, study: Any, space: SearchSpace, program: dspy.Module, ctx: StageContext, number: int,
                       previous: Any, planned: int | None = None) -> tuple[Any, dspy.Module]:
-        """Ask candidate ``number``: rerun a cut-short one, enqueue a seeded one, plan an extra past the
-        ``planned`` ones by kind (:mod:`.kinds`; a shared study's plan passes none), or sample one."""
+        """Ask candidate ``number``: rerun, seed, plan an extra past ``planned`` by kind, or sample one."""
         if previous is not None:  # rerun a candidate cut short by a kill with the parameters it had
             attrs = {k: v for k, v in previous.user_attrs.items() if k not in (INTERRUPTED, SCORES)}
             study.enqueue_trial(dict(previous.params), user_attrs=attrs)
