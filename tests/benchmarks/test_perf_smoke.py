@@ -22,7 +22,8 @@ from flowopt.benchmarks.perf.harness import read_results
 
 PERF_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "perf"
 # Imported by scripts, not run.
-SHARED_MODULES = {"__init__", "lm_workload", "structure_families", "structure_sim_world", "structure_sim_report"}
+SHARED_MODULES = {"__init__", "lm_workload", "structure_families", "structure_sim_world", "structure_sim_report",
+                  "search_tasks"}
 
 
 def _lm_throughput(r: dict[str, Any]) -> None:
@@ -61,6 +62,22 @@ def _search_generalisation(r: dict[str, Any]) -> None:
     assert set(rates) == {"15+15", "35+35"}
     assert all(set(by) == {"0.1", "0.05"} and all(0.0 <= v <= 1.0 for v in by.values())
                for rules in rates.values() for by in rules.values())
+
+
+def _search_defaults(r: dict[str, Any]) -> None:
+    # One seed a shape, every method on it, every comparison paired per shape and over all.
+    assert list(r["summary"]) == ["demos_only", "needles", "instructions", "all"]
+    methods = {"bfrs16", "mipro_light", "gepa_light", "flowopt_defaults", "bfrs8", "flowopt_bfrs8_candidates",
+               "flowopt_at_mipro_calls", "flowopt_at_gepa_calls"}
+    assert [(s["shape"], set(s["rows"])) for s in r["seeds"]] == [
+        (shape, methods) for shape in ("demos_only", "needles", "instructions")]
+    for seed in r["seeds"]:  # a budgeted row keeps to the calls of the peer it is measured against
+        rows = seed["rows"]
+        assert rows["flowopt_at_mipro_calls"]["lm_calls"] <= rows["mipro_light"]["lm_calls"]
+        assert rows["flowopt_at_gepa_calls"]["lm_calls"] <= rows["gepa_light"]["lm_calls"]
+        assert all(0.0 <= row["test"] <= 1.0 and row["lm_calls"] > 0 for row in rows.values())
+    pair = r["summary"]["all"]["pairs"]["flowopt_defaults vs bfrs16"]
+    assert pair["n"] == 3 and pair["better"] + pair["equal"] + pair["worse"] == 3
 
 
 def _hotpotqa_sft_vs_trl(r: dict[str, Any]) -> None:
@@ -165,6 +182,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "workflow_overhead": ((), _workflow_overhead),
     "compile_vs_dspy": ((), _compile_vs_dspy),
     "search_generalisation": ((), _search_generalisation),
+    "search_defaults": ((), _search_defaults),
     "lm_throughput": ((), _lm_throughput),
     "decode_side_by_side": ((), _decode_side_by_side),
     "hotpotqa_sft_vs_trl": (("trl",), _hotpotqa_sft_vs_trl),
