@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException
 from flowopt.errors import FlowoptError
 from flowopt.lm.sampling import RowSettings, derive_seed
 from flowopt.lm.serve_lora import LoraRefused, RuntimeLoras
+from flowopt.lm.serve_record import RecordingRefused, RolloutRecorder
 
 if TYPE_CHECKING:
     from flowopt.lm.local import LocalLM
@@ -265,7 +266,8 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(problems) or "invalid request body"
 
 
-def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeLoras | None = None) -> FastAPI:
+def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeLoras | None = None,
+               recorder: RolloutRecorder | None = None) -> FastAPI:
     """The FastAPI application serving ``local`` under ``model_name`` (default: its name).
 
     Request bodies are pydantic models: a malformed or out-of-bounds body is a 400 in OpenAI's error
@@ -287,7 +289,13 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
         # FastAPI answers 400 "error parsing the body" for JSON it cannot read (e.g. nested too deep).
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
-    async def answer(handler: Any, body: SamplingRequest) -> JSONResponse:
+    async def answer(handler: Any, body: SamplingRequest, request: Request) -> JSONResponse:
+        asked, rollout = body, None
+        try:  # recording mode: a tagged request returns token ids and log-probs, with the policy adapter
+            rollout = recorder.rollout_id(request.headers) if recorder is not None else None
+            body = recorder.prepare(rollout, body) if recorder is not None and rollout is not None else body
+        except RecordingRefused as exc:
+            return _error(exc.status, str(exc), "invalid_request_error")
         adapter = loras.adapter_for(body.model)
         if loras.enabled and adapter is None and body.model not in (None, name):
             return _error(404, f"The model {body.model!r} does not exist: serve {name!r} or a loaded LoRA "
@@ -295,7 +303,10 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
         try:
             # Generation blocks; a worker thread per request lets concurrent requests meet in one batch.
             pinned = ... if adapter is None else adapter
-            return JSONResponse(await run_in_threadpool(handler, local, body, adapter or name, pinned))
+            result = await run_in_threadpool(handler, local, body, adapter or name, pinned)
+            if recorder is not None and rollout is not None:
+                result = recorder.record(rollout, asked, result)
+            return JSONResponse(result)
         except (BadRequest, FlowoptError) as exc:
             return _error(400, str(exc), "invalid_request_error")
         except Exception as exc:  # the server stays up; the client sees what went wrong
@@ -303,12 +314,12 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
             return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest) -> JSONResponse:
-        return await answer(chat_completion, body)
+    async def chat(body: ChatRequest, request: Request) -> JSONResponse:
+        return await answer(chat_completion, body, request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> JSONResponse:
-        return await answer(text_completion, body)
+    async def completions(body: CompletionRequest, request: Request) -> JSONResponse:
+        return await answer(text_completion, body, request)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraRequest) -> Any:
@@ -338,6 +349,8 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
         return {"status": "ok", "model": name, "adapter": local.active_adapter, "device": str(local.device),
                 "loras": sorted(loras.loaded)}
 
+    if recorder is not None:
+        app.include_router(recorder.router(loras))
     return app
 
 
@@ -359,6 +372,9 @@ def _parser() -> argparse.ArgumentParser:
                              "needs --lora-root")
     parser.add_argument("--lora-root", help="the only folder adapters may be loaded from (with --enable-lora)")
     parser.add_argument("--max-loras", type=int, default=4, help="adapters loaded at once (default 4)")
+    parser.add_argument("--record-rollouts", action="store_true",
+                        help="record requests tagged with an X-Rollout-Id header as training transitions "
+                             "(flowopt.lm.serve_record)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -396,7 +412,8 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
         return 2
     loras = RuntimeLoras(local, lora_root=options.lora_root if options.enable_lora else None,
                          max_loras=options.max_loras)
-    app = create_app(local, model_name=options.name, loras=loras)
+    app = create_app(local, model_name=options.name, loras=loras,
+                     recorder=RolloutRecorder() if options.record_rollouts else None)
     logger.info("serving %r at http://%s:%d/v1", options.name or local.name, options.host, options.port)
     uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)
     return 0

@@ -34,6 +34,7 @@ import dspy
 from flowopt.compiler.stage import Stage
 from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.optimizers.weights.advantages import SCALINGS, Scaling, group_advantages
+from flowopt.optimizers.weights.agent_rollouts import Agent, AgentRollouts
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter, torch_generator
 from flowopt.optimizers.weights.distributed import World, agree_on_budget, current_world
 from flowopt.optimizers.weights.learner import GRPOLearner, ScoredTransition
@@ -65,7 +66,10 @@ class GRPO(Stage):
     ``tool_rewards`` (``{"ok": 0.1, "error": -0.1}``: a reward per tool call by its status) and
     ``node_reward_credit="transition"`` (each node reward to the LM call that earned it, not into the
     rollout's reward) make intermediate rewards: a transition's advantage is its rollout's plus
-    ``intermediate_weight`` times its own. Off by default (GRPO's loss as before).
+    ``intermediate_weight`` times its own. Off by default (GRPO's loss as before). ``agent`` (with a
+    ``rollout_server`` started with ``--record-rollouts``): the rollouts are episodes of any agent
+    whose LLM calls the server records, rewarded by the agent (:mod:`.agent_rollouts`); ``program`` is
+    then only what the adapter is attached to.
 
     Example:
         >>> import flowopt
@@ -107,6 +111,7 @@ class GRPO(Stage):
     checkpoint_every: int = 5
     plot: bool = True
     rollout_server: InferenceServer | None = None
+    agent: Agent | None = None
 
     def __post_init__(self) -> None:
         check_stage(self, {
@@ -124,6 +129,10 @@ class GRPO(Stage):
             raise ConfigError(f"GRPO tool_rewards names unknown tool-call statuses {unknown}",
                               fix=f"use statuses from {list(TOOL_STATUSES)}, e.g. "
                                   "tool_rewards={'ok': 0.1, 'error': -0.1}")
+        if self.agent is not None and self.rollout_server is None:
+            raise ConfigError("GRPO(agent=...) trains on the agent's LLM calls recorded by a server, but no "
+                              "rollout_server is set", fix="pass rollout_server=InferenceServer(URL, adapter_dir=...) "
+                                                           "of a flowopt serve started with --record-rollouts")
         if self.rollout_server is not None and not isinstance(self.rollout_server, InferenceServer):
             raise ConfigError(f"rollout_server must be an InferenceServer, got {type(self.rollout_server).__name__}",
                               fix="pass rollout_server=InferenceServer('http://127.0.0.1:8000/v1', adapter_dir=...)")
@@ -165,12 +174,14 @@ class GRPO(Stage):
         served = ServedRollouts(self.rollout_server, policy, prefix=name) if self.rollout_server else None
         if served is not None:
             served.start()
+        agents = None if served is None or self.agent is None else AgentRollouts(
+            served, self.agent, format_penalty=self.format_penalty, temperature=self.temperature)
         # One set of rollout threads for the whole run (B x G of them wait together in every step).
         pool = ThreadPoolExecutor(max_workers=len(world.share(self.batch_size * self.group_size)),
                                   thread_name_prefix="flowopt-rollout")
         try:
             for step in range(first, self.steps):
-                point = self._step(step, program, ctx, policy, learner, adapter, pool, world, served)
+                point = self._step(step, program, ctx, policy, learner, adapter, pool, world, served, agents)
                 curve.append(point)
                 ctx.logger.info("grpo step %d/%d: reward %.3f (+/- %.3f), loss %.4f, failures %d",
                                 step + 1, self.steps, point["mean_reward"], point["reward_std"], point["loss"],
@@ -185,6 +196,8 @@ class GRPO(Stage):
             ctx.logger.info("grpo: budget exhausted after %d steps (%s)", len(curve), err.limit)
         finally:
             pool.shutdown(wait=True)
+            if agents is not None:
+                agents.close()
             if served is not None:
                 served.close()
             if progress is not None:
@@ -205,7 +218,7 @@ class GRPO(Stage):
 
     def _step(self, step: int, program: dspy.Module, ctx: Any, policy: Policy, learner: GRPOLearner,
               adapter: Any, pool: ThreadPoolExecutor, world: World,
-              served: ServedRollouts | None = None) -> dict[str, Any]:
+              served: ServedRollouts | None = None, agents: AgentRollouts | None = None) -> dict[str, Any]:
         import torch
 
         t0 = time.monotonic()
@@ -224,12 +237,15 @@ class GRPO(Stage):
         try:
             ctx.budget.check()
             with ctx.budget.guard():  # a metric may call an LM too
-                rollouts = self._rollouts(program, examples, policy, adapter, pool, world, seed,
-                                          served=served, served_seed=served_seed)
-                by_rollout = None if self.node_reward_credit == "transition" else self.node_rewards
-                mine = [(score_rollout(r, ctx.metric, node_rewards=by_rollout,
-                                       format_penalty=self.format_penalty), r.score, r.error is not None)
-                        for r in rollouts]
+                if agents is not None:  # the agent's episodes, rewarded by the agent
+                    rollouts = agents.run(examples, self.group_size, step, pool)
+                else:
+                    rollouts = self._rollouts(program, examples, policy, adapter, pool, world, seed,
+                                              served=served, served_seed=served_seed)
+                    by_rollout = None if self.node_reward_credit == "transition" else self.node_rewards
+                    for r in rollouts:
+                        score_rollout(r, ctx.metric, node_rewards=by_rollout, format_penalty=self.format_penalty)
+                mine = [(r.reward, r.score, r.error is not None) for r in rollouts]
                 own = self._own_rewards(rollouts)
         except BudgetExhausted as err:
             error = err
