@@ -79,7 +79,7 @@ from flowopt.modules import Predict
 from flowopt.optimizers.structure import MCTS, Evaluation, InvalidEdit, RuleProposer, SearchSettings, Vocabulary
 from flowopt.optimizers.structure.baselines import hill_climb, random_walk
 from flowopt.optimizers.structure.edits import SELECT_INSTRUCTION, AddProgrammer, AddRefine, RemoveNode
-from flowopt.optimizers.structure.search import SELECTIONS
+from flowopt.optimizers.structure.search_settings import SELECTIONS
 from flowopt.optimizers.structure.tree import ir_key
 from flowopt.testing import ScriptedEngine, ScriptedRequest
 

@@ -24,6 +24,7 @@ from flowopt.compiler.report import CompileReport, StageReport
 from flowopt.compiler.stage import Stage
 from flowopt.compiler.stages import StageSpec, resolve_stages
 from flowopt.errors import BudgetExhausted, ConfigError, DataError, LMError
+from flowopt.io import space_errors
 
 logger = logging.getLogger("flowopt.compiler")
 
@@ -114,7 +115,7 @@ def compile(
         "trainset": _digest(example_key(e) for e in train),
         "valset": _digest(example_key(e) for e in val),
         "metric": getattr(metric, "__qualname__", type(metric).__name__),
-        "stages": [{"name": n, "settings": s.settings()} for n, s in zip(stage_names, stage_objs)],
+        "stages": [{"name": n, "settings": _resumable_settings(s)} for n, s in zip(stage_names, stage_objs)],
         "seed": seed,
     }
     folder = (RunFolder(run_dir, resume=resume, fingerprint=fingerprint, writer=rank == 0)
@@ -217,6 +218,11 @@ def _baseline_row(program: Any, val: list[Any], evaluator: Evaluator, tracker: B
     return row
 
 
+def _resumable_settings(stage: Stage) -> dict[str, Any]:
+    """The settings a resumed run must repeat: all but those that only trade time for memory."""
+    return {k: v for k, v in stage.settings().items() if k not in stage.memory_settings}
+
+
 def _run_stage(index: int, name: str, stage: Stage, best: Any, score_before: Callable[[], float], train: list[Any],
                val: list[Any], metric: Callable[..., Any], tracker: BudgetTracker, evaluator: Evaluator,
                folder: RunFolder | None, seed: int, resume: bool, quiet: bool, num_threads: int,
@@ -238,7 +244,7 @@ def _run_stage(index: int, name: str, stage: Stage, best: Any, score_before: Cal
     start = time.monotonic()
     out: Any = None
     try:
-        with tracker.guard():
+        with tracker.guard(), space_errors(ctx.run_dir, folder=True):
             out = stage.run(clone_program(best), ctx)
     except BudgetExhausted as err:  # a stage that did not catch it itself: it returned nothing
         row.stop_reason = f"budget: {err.limit}"

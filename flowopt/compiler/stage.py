@@ -55,6 +55,9 @@ class Stage(abc.ABC):
 
     name: ClassVar[str] = ""
     multi_process: ClassVar[bool] = False  # splits its work among launched processes (the weights stages)
+    # Settings that trade time for memory without changing what the stage computes (a weights stage's
+    # micro-batch size): a resumed run may change them, e.g. after running out of memory.
+    memory_settings: ClassVar[tuple[str, ...]] = ()
 
     @abc.abstractmethod
     def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:

@@ -19,7 +19,7 @@ the same count:
 
 Candidates are raced in waves: the examples of every live candidate share one pool of
 ``num_threads`` threads, rung by rung over one shuffled order of the valset, and after each rung the
-pruner (:mod:`~flowopt.optimizers.search.pruning`; default ``"confidence"``: paired test against the
+pruner (:mod:`~flowopt.optimizers.search.pruners`; default ``"confidence"``: paired test against the
 leader of whether the challenger's *whole-valset* score is below the leader's, pruned only when so at
 one-sided 90% (``alpha=0.1``; ``alpha=0.05`` for 95%), looking again every 5% of the valset) stops the
 candidates that are behind. Scores are
@@ -55,17 +55,8 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
-from flowopt.optimizers.search.pruning import (
-    ALPHA,
-    PRUNE_RULES,
-    first_look,
-    first_rung,
-    looks,
-    next_look,
-    rungs,
-    verdicts,
-    worse_than,
-)
+from flowopt.optimizers.search.pruners import Look, Pruner, get_pruner, pruner_names
+from flowopt.optimizers.search.pruning import ALPHA, next_look, worse_than
 from flowopt.optimizers.search.shared import run_shared
 from flowopt.optimizers.search.shared_storage import exclusive_run_dir, is_shared
 from flowopt.optimizers.search.space import CandidateSource, SearchSpace
@@ -84,7 +75,6 @@ from flowopt.optimizers.search.study import (
 from flowopt.settings import above, at_least, between, check_stage, one_of
 
 SAMPLERS = ("random", "tpe")
-PRUNERS = PRUNE_RULES
 WHY_PRUNED = "why_pruned"  # user attr: the pruner's reason, in words
 FRESH_CHUNKS, FRESH_CHUNK_MIN = 4, 8  # the finalists' fresh examples come in about 4 chunks of at least 8
 
@@ -113,16 +103,12 @@ class RandomSearch(Stage):
         max_labeled_demos: labeled demos in each teacher, and the demo count seeded candidates are
             topped up to with labeled examples (DSPy's ``max_labeled_demos``).
         sampler: ``"random"`` or ``"tpe"``.
-        pruner: ``"confidence"`` (paired test against the leader: McNemar's exact test for 0/1
-            scores, a paired normal bound otherwise; prune when worse at one-sided ``1 - alpha``, 90%),
-            ``"stratified"`` (the confidence rule's looks, but the leader of each look is scored on
-            the whole valset at once and challengers are tested against the best fully scored
-            candidate, with the valset stratified by its 0/1 scores: an exact test at each look),
-            ``"anytime"`` (a betting test valid at every look, so it looks after every example:
-            a challenger at least as good as the leader on the whole valset is pruned with
-            probability at most ``alpha`` over all looks; scores in [0, 1]),
-            ``"halving"`` (keep the best ``1/reduction_factor`` of the challengers), ``"median"``
-            or ``"none"``. The incumbent is never pruned.
+        pruner: the name of a registered :class:`~flowopt.optimizers.search.pruners.Pruner`, each
+            documented on its class: ``"confidence"`` (paired test against the leader, prune when worse
+            at one-sided ``alpha``), ``"stratified"`` (tested against a fully scored reference),
+            ``"anytime"`` (a betting test valid at every look), ``"halving"`` (keep the best
+            ``1/reduction_factor`` of the challengers), ``"median"``, ``"none"``, or a user's own rule
+            (:func:`~flowopt.optimizers.search.pruners.register_pruner`). The incumbent is never pruned.
         alpha: the pruners' one-sided error level per decision, and the finalists' (default 0.1,
             :data:`~flowopt.optimizers.search.pruning.ALPHA`: each prune is a 10% test that the
             challenger's whole-valset score is below the leader's; ``"anytime"``: over all of a
@@ -195,7 +181,7 @@ class RandomSearch(Stage):
             "finalists": at_least(0), "reduction_factor": at_least(2), "heartbeat_s": at_least(1),
             "wait_timeout_s": above(0.0), "seeded": at_least(0), "extra": at_least(0),
             "minibatch_size": at_least(1), "parallel": at_least(1), "study_max_lm_calls": at_least(1),
-            "alpha": above(0.0, 0.5), "sampler": one_of(*SAMPLERS), "pruner": one_of(*PRUNERS),
+            "alpha": above(0.0, 0.5), "sampler": one_of(*SAMPLERS), "pruner": one_of(*pruner_names()),
             "temperatures": between(0.0, 2.0), "ensemble_n": at_least(1),
         })
         if self.stale_after_s < 2 * self.heartbeat_s:  # a live worker must get two heartbeats in
@@ -215,15 +201,13 @@ class RandomSearch(Stage):
         """Whether any candidate may be sampled (so the space needs a demo pool)."""
         return self.n_candidates > 3 + self.seeded_count() or self.extra != 0
 
+    def pruning_rule(self) -> Pruner:
+        """The :class:`~flowopt.optimizers.search.pruners.Pruner` that ``pruner`` names, at this ``alpha``."""
+        return get_pruner(self.pruner)(alpha=self.alpha, reduction_factor=self.reduction_factor)
+
     def rung_ends(self, n: int) -> list[int]:
         """Where the rungs end on a valset of ``n`` examples (cumulative counts; the last is ``n``)."""
-        if self.pruner == "none":
-            return [n]
-        if self.pruner in ("confidence", "stratified"):
-            return looks(n, first_look(n, self.minibatch_size))
-        if self.pruner == "anytime":  # valid at every look: look after every example (next_look fills threads)
-            return looks(n, first_look(n, self.minibatch_size), every=1)
-        return rungs(n, first_rung(n, self.minibatch_size), 2.0)
+        return self.pruning_rule().rung_ends(n, self.minibatch_size)
 
     def scores_its_start(self) -> bool:
         """A shared search scores the incumbent (the program it starts from) on the whole valset as
@@ -256,7 +240,7 @@ class RandomSearch(Stage):
         try:
             while wave := next_wave(study, planned, width):
                 ctx.budget.check()
-                asked = [self._ask(study, space, program, ctx, number, previous) for number, previous in wave]
+                asked = [self.ask_candidate(study, space, program, ctx, number, previous) for number, previous in wave]
                 self.race(study, asked, order, ends, ctx)
                 bar.update(len(asked))
             extra_width = self.parallel or 4
@@ -266,7 +250,7 @@ class RandomSearch(Stage):
                 if not wave:
                     continue
                 ctx.budget.check()
-                asked = [self._ask(study, space, program, ctx, number, previous) for number, previous in wave]
+                asked = [self.ask_candidate(study, space, program, ctx, number, previous) for number, previous in wave]
                 self.race(study, asked, order, ends, ctx)
                 bar.update(len(asked))
         except BudgetExhausted as err:
@@ -275,7 +259,7 @@ class RandomSearch(Stage):
             bar.close()
         if space.pool_exhausted_by:
             stop_reason = f"budget: {space.pool_exhausted_by}"
-        return self._best(study, space, program, ctx, stop_reason, ends, n)
+        return self.pick_best(study, space, program, ctx, stop_reason, ends, n)
 
     def _extras_affordable(self, study: Any, planned: int, n_val: int, done: int, width: int,
                            ctx: StageContext) -> int:
@@ -293,7 +277,7 @@ class RandomSearch(Stage):
         room = remaining - n_val if remaining is not None else planned * n_val - spent
         return max(0, min(width, self.max_extra - done, int(room // max(1.0, per_candidate))))
 
-    def _ask(self, study: Any, space: SearchSpace, program: dspy.Module, ctx: StageContext, number: int,
+    def ask_candidate(self, study: Any, space: SearchSpace, program: dspy.Module, ctx: StageContext, number: int,
              previous: Any) -> tuple[Any, dspy.Module]:
         if previous is not None:  # rerun a candidate cut short by a kill with the parameters it had
             attrs = {k: v for k, v in previous.user_attrs.items() if k not in (INTERRUPTED, SCORES)}
@@ -321,6 +305,7 @@ class RandomSearch(Stage):
         earlier = study.get_trials(deepcopy=False) if len(ends) > 1 else []
         others = _earlier_scores(earlier, exclude=set(scores))
         incumbent = next((t.number for t in earlier if t.user_attrs.get("kind") == "incumbent"), None)
+        rule = self.pruning_rule()
         prev = 0
         try:
             while alive and prev < len(order):
@@ -337,12 +322,11 @@ class RandomSearch(Stage):
                     trial.report(_mean(scores[trial.number]), step=cum)
                 prev = cum
                 if cum < len(order):
-                    if self.pruner == "stratified":
+                    if rule.scores_leader_ahead:
                         self._score_leader_ahead(alive, scores, others, cum, order, ctx)
                     # Every candidate is scored on the rung before any is judged: verdicts don't depend on order.
                     live = {t.number: scores[t.number] for t, _ in alive}
-                    pruned = verdicts(self.pruner, live, others, cum, incumbent, reduction_factor=self.reduction_factor,
-                                      alpha=self.alpha, population=len(order))
+                    pruned = rule.prune(Look(live, others, cum, incumbent, population=len(order)))
                     for trial, candidate in alive:
                         if trial.number in pruned:
                             record_scores(trial, candidate, order, scores[trial.number], ctx)
@@ -425,7 +409,7 @@ class RandomSearch(Stage):
                          **({"stopped": stopped[i]} if i in stopped else {}), "trial": trial})
         return rows
 
-    def _best(self, study: Any, space: CandidateSource, program: dspy.Module, ctx: StageContext,
+    def pick_best(self, study: Any, space: CandidateSource, program: dspy.Module, ctx: StageContext,
               stop_reason: str, ends: list[int], n_val: int) -> dspy.Module:
         from optuna.trial import TrialState
 

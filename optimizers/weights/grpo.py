@@ -25,6 +25,7 @@ import random
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -39,6 +40,7 @@ from flowopt.optimizers.weights.common import adapter_name, finish, resolve_poli
 from flowopt.optimizers.weights.distributed import World, agree_on_budget, current_world
 from flowopt.optimizers.weights.learner import GRPOLearner, ScoredTransition
 from flowopt.optimizers.weights.loss import AGGREGATIONS
+from flowopt.optimizers.weights.memory import out_of_memory_errors
 from flowopt.optimizers.weights.optim import SCHEDULES
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
 from flowopt.optimizers.weights.rewards import CREDITS, NodeReward, score_rollout, transition_rewards
@@ -81,6 +83,7 @@ class GRPO(Stage):
 
     name: ClassVar[str] = "grpo"
     multi_process: ClassVar[bool] = True
+    memory_settings: ClassVar[tuple[str, ...]] = ("micro_batch_size", "gradient_checkpointing")
 
     student: Any = None
     steps: int = 20
@@ -181,7 +184,8 @@ class GRPO(Stage):
                                   thread_name_prefix="flowopt-rollout")
         try:
             for step in range(first, self.steps):
-                point = self._step(step, program, ctx, policy, learner, adapter, pool, world, served, agents)
+                with self._out_of_memory(step):
+                    point = self._step(step, program, ctx, policy, learner, adapter, pool, world, served, agents)
                 curve.append(point)
                 ctx.logger.info("grpo step %d/%d: reward %.3f (+/- %.3f), loss %.4f, failures %d",
                                 step + 1, self.steps, point["mean_reward"], point["reward_std"], point["loss"],
@@ -293,6 +297,16 @@ class GRPO(Stage):
         if not self.tool_rewards and not nodes:
             return None
         return [transition_rewards(r, tool_rewards=self.tool_rewards, node_rewards=nodes) for r in rollouts]
+
+    def _out_of_memory(self, step: int) -> AbstractContextManager[None]:
+        done = step - step % self.checkpoint_every if self.checkpoint_every else 0
+        saved = (f"the checkpoint after {done} steps is intact and a resumed run continues from it" if done
+                 else "no step was checkpointed yet, so a resumed run starts GRPO over")
+        return out_of_memory_errors(
+            f"grpo (step {step + 1})",
+            {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing},
+            {"batch_size": self.batch_size, "group_size": self.group_size, "max_new_tokens": self.max_new_tokens},
+            resume_note=saved)
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, ctx: Any, policy: Policy, learner: GRPOLearner, curve: list[dict[str, Any]],

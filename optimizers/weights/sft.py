@@ -16,6 +16,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -27,6 +28,7 @@ from flowopt.lm.packing import pack
 from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter
 from flowopt.optimizers.weights.distributed import SINGLE, World, agree_on_budget, current_world
+from flowopt.optimizers.weights.memory import out_of_memory_errors
 from flowopt.optimizers.weights.optim import SCHEDULES, make_optimizer
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
 from flowopt.optimizers.weights.traces import TraceStats, label_pairs, teacher_pairs
@@ -125,6 +127,7 @@ class BootstrapFinetune(Stage):
 
     name: ClassVar[str] = "finetune"
     multi_process: ClassVar[bool] = True
+    memory_settings: ClassVar[tuple[str, ...]] = ("micro_batch_size", "gradient_checkpointing")
 
     student: Any = None
     teacher: Any = None
@@ -204,11 +207,13 @@ class BootstrapFinetune(Stage):
                 progress.set_postfix(loss=f"{loss:.4f}")
 
         try:
-            losses = sft_train(policy, data, epochs=self.epochs, learning_rate=self.learning_rate,
-                               batch_size=self.batch_size, micro_batch_size=self.micro_batch_size,
-                               lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps,
-                               weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=ctx.seed,
-                               gradient_checkpointing=self.gradient_checkpointing, world=world, on_step=on_step)
+            with self._out_of_memory():
+                losses = sft_train(policy, data, epochs=self.epochs, learning_rate=self.learning_rate,
+                                   batch_size=self.batch_size, micro_batch_size=self.micro_batch_size,
+                                   lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps,
+                                   weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=ctx.seed,
+                                   gradient_checkpointing=self.gradient_checkpointing, world=world,
+                                   on_step=on_step)
         finally:
             if progress is not None:
                 progress.close()
@@ -222,6 +227,13 @@ class BootstrapFinetune(Stage):
                     trace_seconds=round(trace_seconds, 2), train_seconds=round(time.monotonic() - t0, 2))
         ctx.record(**info)
         return program
+
+    def _out_of_memory(self) -> AbstractContextManager[None]:
+        return out_of_memory_errors(
+            "finetune",
+            {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing},
+            {"batch_size": self.batch_size, "max_length": self.max_length},
+            resume_note="the stages before it are kept in the run folder; a resumed run trains finetune again")
 
     def _traces(self, program: dspy.Module, ctx: Any, adapter: Any, world: World) -> tuple[list[Any], TraceStats]:
         """The teacher's passing pairs; with several processes each runs a contiguous share of the trainset

@@ -182,8 +182,8 @@ def test_a_stale_trial_is_failed_and_its_candidate_requeued_once(postgres_url):
     dead, alive = SharedWorker(stage, ctx), SharedWorker(stage, ctx)
     definition = definition_of(dspy.Predict("question -> answer"))
     dead.study.enqueue_trial({}, user_attrs={"candidate": 0, "kind": "incumbent", "definition": definition})
-    assert dead._claim(dead.study, 0) is not None  # claimed, then no heartbeat ever again
-    assert alive._claim(alive.study, 0) is None  # a claimed candidate cannot be claimed again
+    assert dead.claim(dead.study, 0) is not None  # claimed, then no heartbeat ever again
+    assert alive.claim(alive.study, 0) is None  # a claimed candidate cannot be claimed again
     assert [t.state for t in alive.requeue_lost(alive.study)] == [TrialState.RUNNING]  # not stale yet
     time.sleep(3.5)
     trials = alive.requeue_lost(alive.study)
