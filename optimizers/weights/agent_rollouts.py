@@ -81,7 +81,13 @@ class AgentRollouts:
                                  timeout=option.timeout_s)
 
     def close(self) -> None:
-        self.http.close()
+        """Clear the server's policy (its adapter is unloaded next), so later requests sample as they ask."""
+        try:
+            self.set_policy(None)
+        except LMError as exc:  # the run's result stands; a server that went away keeps its setting
+            logger.warning("grpo: could not clear the recording server's policy: %s", exc)
+        finally:
+            self.http.close()
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         import httpx

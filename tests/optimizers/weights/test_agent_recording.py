@@ -184,3 +184,26 @@ def test_episodes_that_fail_train_with_the_format_penalty(recording_server, agen
     assert point["transitions"] == 2  # the calls of the two episodes that sent one
     for rollout_id in seen:  # read and forgotten by the trainer
         assert httpx.get(f"{base}/rollouts/{rollout_id}").status_code == 404
+    # The trainer cleared its policy when it ended: a later request samples with the model it names.
+    assert _chat(base, {"X-Rollout-Id": "after-training"}).model == "tiny"
+    httpx.delete(f"{base}/rollouts/after-training")
+
+
+def test_a_react_workflow_runs_on_the_served_endpoint_and_is_recorded(recording_server):
+    """The tool-using node through flowopt serve as a hosted-style endpoint (litellm's OpenAI client),
+    its requests tagged with a rollout id: one recorded transition per LM call."""
+    import flowopt
+    from flowopt.modules import ReAct
+    from flowopt.optimizers.weights.tiny import plain_adapter
+
+    base, _ = recording_server
+    lm = dspy.LM("openai/tiny", api_base=base, api_key="unused", cache=False, max_tokens=3, temperature=1.0,
+                 extra_headers={"X-Rollout-Id": "react-1"})
+    program = flowopt.Workflow("question -> answer").add(
+        "solve", ReAct("question -> answer", tools=["calculator"], max_steps=2))
+    with dspy.context(lm=lm, adapter=plain_adapter()):
+        prediction = program(question="add 3 4")
+    assert isinstance(prediction.answer, str)
+    record = httpx.get(f"{base}/rollouts/react-1").json()
+    assert len(record["transitions"]) == 3  # two act steps, then extract
+    httpx.delete(f"{base}/rollouts/react-1")
