@@ -43,7 +43,7 @@ from starlette.exceptions import HTTPException
 from flowopt.errors import FlowoptError
 from flowopt.lm.sampling import RowSettings, derive_seed
 from flowopt.lm.serve_lora import LoraRefused, RuntimeLoras
-from flowopt.lm.serve_record import RecordingRefused, RolloutRecorder
+from flowopt.lm.serve_record import Recording, RecordingRefused, RolloutRecorder
 
 if TYPE_CHECKING:
     from flowopt.lm.local import LocalLM
@@ -278,7 +278,7 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
     """
     name = model_name or local.name
     loras = loras or RuntimeLoras(local, lora_root=None)
-    app = FastAPI(title="flowopt serve", version="1")
+    app = FastAPI(title="flowopt serve", version="1", routes=recorder.routes(loras) if recorder is not None else None)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -290,10 +290,8 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
     async def answer(handler: Any, body: SamplingRequest, request: Request) -> JSONResponse:
-        asked, rollout = body, None
-        try:  # recording mode: a tagged request returns token ids and log-probs, with the policy adapter
-            rollout = recorder.rollout_id(request.headers) if recorder is not None else None
-            body = recorder.prepare(rollout, body) if recorder is not None and rollout is not None else body
+        try:  # recording mode (flowopt.lm.serve_record): a request tagged with a rollout id is recorded
+            body = (recording := Recording.start(recorder, request.headers, body)).body
         except RecordingRefused as exc:
             return _error(exc.status, str(exc), "invalid_request_error")
         adapter = loras.adapter_for(body.model)
@@ -304,9 +302,7 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
             # Generation blocks; a worker thread per request lets concurrent requests meet in one batch.
             pinned = ... if adapter is None else adapter
             result = await run_in_threadpool(handler, local, body, adapter or name, pinned)
-            if recorder is not None and rollout is not None:
-                result = recorder.record(rollout, asked, result)
-            return JSONResponse(result)
+            return JSONResponse(recording.finish(result))
         except (BadRequest, FlowoptError) as exc:
             return _error(400, str(exc), "invalid_request_error")
         except Exception as exc:  # the server stays up; the client sees what went wrong
@@ -349,8 +345,6 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
         return {"status": "ok", "model": name, "adapter": local.active_adapter, "device": str(local.device),
                 "loras": sorted(loras.loaded)}
 
-    if recorder is not None:
-        app.include_router(recorder.router(loras))
     return app
 
 

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from fastapi import APIRouter
+    from starlette.routing import BaseRoute
 
     from flowopt.lm.serve_lora import RuntimeLoras
 
@@ -161,8 +162,12 @@ class RolloutRecorder:
         with self._lock:
             self._rollouts.pop(rollout_id, None)
 
+    def routes(self, loras: RuntimeLoras) -> list[BaseRoute]:
+        """The ``/v1/rollouts`` endpoints, for :func:`flowopt.lm.serve.create_app` to serve."""
+        return list(self.router(loras).routes)
+
     def router(self, loras: RuntimeLoras) -> APIRouter:
-        """The ``/v1/rollouts`` endpoints, for :func:`flowopt.lm.serve.create_app` to mount."""
+        """The ``/v1/rollouts`` endpoints as a FastAPI router (``loras``: what ``policy`` may name)."""
         from fastapi import APIRouter
         from fastapi.responses import JSONResponse
 
@@ -201,6 +206,34 @@ class RolloutRecorder:
             return {"policy": self.policy}
 
         return router
+
+
+@dataclass
+class Recording:
+    """One request's side of the recording mode: the body to serve, and what to record once answered.
+
+    Example:
+        >>> Recording.start(None, {}, body).body is body  # no recorder: served as sent  # doctest: +SKIP
+    """
+
+    body: Any
+    asked: Any = None
+    recorder: RolloutRecorder | None = None
+    rollout_id: str | None = None
+
+    @classmethod
+    def start(cls, recorder: RolloutRecorder | None, headers: Any, body: Any) -> Recording:
+        """The request as it is (not recorded), or prepared for recording; raises :class:`RecordingRefused`."""
+        rollout = recorder.rollout_id(headers) if recorder is not None else None
+        if recorder is None or rollout is None:
+            return cls(body)
+        return cls(recorder.prepare(rollout, body), body, recorder, rollout)
+
+    def finish(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """Record the answer (when recording) and return it as the client asked for it."""
+        if self.recorder is None or self.rollout_id is None:
+            return answer
+        return self.recorder.record(self.rollout_id, self.asked, answer)
 
 
 def _as_asked(asked: Any, answer: dict[str, Any]) -> dict[str, Any]:

@@ -19,8 +19,10 @@ from flowopt.optimizers.weights import GRPO, InferenceServer, LoraSettings
 from tests.optimizers.weights import plain_agent
 
 REPO = Path(__file__).resolve().parents[3]
-STEPS = 6
-WORDS = ["calculator", *plain_agent.OPERATIONS, *[str(n) for n in range(10)]]
+STEPS = 8
+# The smallest vocabulary (the tiny model's base words and "calculator"; digits and operations are unknown
+# to it, which only the agent reads): a fresh model names the tool about 1 time in 15.
+WORDS = ["calculator"]
 
 
 @pytest.fixture(scope="module")
@@ -124,11 +126,10 @@ def test_a_plain_openai_agent_is_trained_by_grpo_through_the_recording_server(re
             # Sampled by the server with the adapter pushed that step: its log-probs are the learner's.
             assert point["sampler_logprob_gap"] < 1e-4
         rewards = [p["mean_reward"] for p in curve]
-        rises.append(mean(rewards[-2:]) - mean(rewards[:2]))
-    # A fresh model names the tool about 1 time in 27. Measured with these settings over 8 steps: seed 0
-    # 0.06, 0.34, 0.59, 0.84, 0.62, 0.88, 0.81, 0.78; seed 1 0.06, 0.38, 0.78, 0.34, 0.81, 0.94, 0.84, 0.81
-    # (rises over the first 6 steps of 0.55 and 0.65). Required: more than 0.25 on every seed.
-    assert min(rises) > 0.25, f"mean reward rise (last 2 steps - first 2) per seed: {rises}"
+        rises.append(mean(rewards[-3:]) - mean(rewards[:3]))
+        print(f"seed {seed}: mean reward per step {[round(r, 2) for r in rewards]}")
+    # Required: a rise of more than 0.25 on every seed.
+    assert min(rises) > 0.25, f"mean reward rise (last 3 steps - first 3) per seed: {rises}"
 
 
 def test_the_agent_imports_neither_dspy_nor_flowopt():
