@@ -127,7 +127,7 @@ class AgentRollouts:
         try:
             rollout.prediction = self.agent(episode)
         except Exception as err:  # the agent's failure is this episode's outcome, not the run's
-            logger.debug("agent episode %s raised", episode.rollout_id, exc_info=True)
+            logger.warning("agent episode %s raised %s: %s", episode.rollout_id, type(err).__name__, err)
             rollout.error = f"the agent raised {type(err).__name__}: {err}"
         response = self._call("GET", f"/rollouts/{episode.rollout_id}")
         record: dict[str, Any] = response.json() if response.status_code == 200 else {"transitions": [], "reward": None}

@@ -1,7 +1,7 @@
 """A calculator agent written with the ``openai`` client only: no DSPy, no flowopt (a test checks).
 
 Task: ``"add 3 4"`` or ``"mul 2 5"``; the answer is the number. The agent asks the LLM which tool to use;
-if the LLM names ``calculator`` the agent computes the answer with its own tool, else it asks the LLM for
+if the LLM's reply names ``calculator`` the agent computes the answer with its own tool, else it asks the LLM for
 the answer directly. Its reward, which it reports to the server itself, is 1 for the right answer.
 """
 
@@ -21,14 +21,14 @@ def calculator(question: str) -> str:
 
 def run_episode(base_url: str, model: str, headers: dict[str, str], temperature: float, reward_url: str,
                 question: str, expected: str) -> str:
-    client = OpenAI(base_url=base_url, api_key="unused", default_headers=headers, max_retries=0)
+    client = OpenAI(base_url=base_url, api_key="unused", default_headers=headers, max_retries=0, timeout=120)
 
-    def ask(prompt: str) -> str:
+    def ask(prompt: str, max_tokens: int) -> str:
         reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                               max_tokens=1, temperature=temperature)
+                                               max_tokens=max_tokens, temperature=temperature)
         return (reply.choices[0].message.content or "").strip()
 
-    tool = ask(f"question : {question} tool :")
-    answer = calculator(question) if tool == "calculator" else ask(f"question : {question} answer :")
-    httpx.post(reward_url, json={"reward": float(answer == expected)}, headers=headers).raise_for_status()
+    uses_tool = "calculator" in ask(f"question : {question} tool :", 4).split()
+    answer = calculator(question) if uses_tool else ask(f"question : {question} answer :", 1)
+    httpx.post(reward_url, json={"reward": float(answer == expected)}, headers=headers, timeout=120).raise_for_status()
     return answer
