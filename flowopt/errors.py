@@ -115,6 +115,21 @@ class OutOfMemoryError(FlowoptError):
         super().__init__(problem, fix=fix)
 
 
+class Interrupted(FlowoptError):
+    """SIGINT or SIGTERM stopped a run at a safe point; ``exit_code`` is the shell's ``128 + signal``.
+
+    Example:
+        >>> err = Interrupted("compile stopped by SIGTERM", signal="SIGTERM", number=15)
+        >>> err.exit_code
+        143
+    """
+
+    def __init__(self, problem: str, *, signal: str, number: int, fix: str | None = None) -> None:
+        self.signal = signal
+        self.exit_code = 128 + number
+        super().__init__(problem, fix=fix)
+
+
 class LMError(FlowoptError):
     """A language model could not be loaded or called."""
 

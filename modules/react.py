@@ -51,6 +51,9 @@ class ReAct(Operator):
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
                  *, tools: list[str] | tuple[str, ...] = ("calculator",), max_steps: int = 5,
                  temperature: float | None = None) -> None:
+        """``instructions``: the task description the act steps read (default: think, pick a tool or finish).
+        ``tools``: registered tool names (:mod:`flowopt.tools`). ``max_steps``: tool calls at most, 1..20.
+        ``temperature``: sampling temperature in [0, 2] (``None``: the LM's own)."""
         check_settings("ReAct", {"tools": tools, "max_steps": max_steps, "temperature": temperature},
                        hints=ReAct.__init__, bounds={"max_steps": between(1, 20), **TEMPERATURE})
         super().__init__(signature, instructions)

@@ -227,6 +227,8 @@ class Recording:
         rollout = recorder.rollout_id(headers) if recorder is not None else None
         if recorder is None or rollout is None:
             return cls(body)
+        if body.stream:
+            raise RecordingRefused(400, "a recorded request must not stream; send stream=false")
         return cls(recorder.prepare(rollout, body), body, recorder, rollout)
 
     def finish(self, answer: dict[str, Any]) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def run_shared(stage: RandomSearch, program: dspy.Module, ctx: StageContext) -> 
         stop_reason = worker.search(program)
         worker.log(f"search {stop_reason}, {worker.scored_here} candidates scored here")
         chosen = worker.best(program, stop_reason)
-    worker.log(f"winner {ctx.info.get('best_candidate')}")
+    worker.log(f"winner {ctx.outcome.best_candidate}")
     return chosen
 
 

@@ -48,12 +48,12 @@ class StudyWorker:
 
         self.stage, self.ctx = stage, ctx
         self.started = time.monotonic()
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.storage = open_rdb_storage(str(stage.storage), heartbeat_s=stage.heartbeat_s,
-                                        stale_after_s=stage.stale_after_s)
+                                        stale_after_s=stage.stale_after_s, worker=self.worker_id)
         self.study = optuna.create_study(storage=self.storage, study_name=stage.study_name, direction="maximize",
                                          pruner=optuna.pruners.NopPruner(), load_if_exists=True,
                                          sampler=optuna.samplers.RandomSampler(seed=ctx.seed))
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.held: set[int] = set()  # trial ids this worker runs (heartbeats go to these)
         self._lock = threading.Lock()
         self.scored_here = 0

@@ -145,7 +145,7 @@ class WinnerPicking(StudyWorker):
             rule = dataclasses.replace(self.stage, finalists=0) if stop_reason == STUDY_BUDGET else self.stage
             rule.pick_best(self.study, StoredCandidates(), program, self.ctx, stop_reason, self.stage.rung_ends(n_val),
                        n_val)
-            return self.ctx.info.get("best_candidate")
+            return self.ctx.outcome.best_candidate
 
         if stop_reason.startswith("budget:") and stop_reason != STUDY_BUDGET:
             winner = pick()  # this worker's own budget stopped it early: its pick so far, not the study's

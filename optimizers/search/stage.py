@@ -43,7 +43,6 @@ machines: see :mod:`~flowopt.optimizers.search.shared`.
 
 from __future__ import annotations
 
-import math
 import re
 import statistics
 from collections.abc import Mapping, Sequence
@@ -55,8 +54,14 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
+from flowopt.optimizers.search.finalists import (
+    candidate_number,
+    close_finalists,
+    fresh_examples,
+    rescore_finalists,
+)
 from flowopt.optimizers.search.pruners import Look, Pruner, get_pruner, pruner_names
-from flowopt.optimizers.search.pruning import ALPHA, next_look, worse_than
+from flowopt.optimizers.search.pruning import ALPHA, next_look
 from flowopt.optimizers.search.shared import run_shared
 from flowopt.optimizers.search.shared_storage import exclusive_run_dir, is_shared
 from flowopt.optimizers.search.space import CandidateSource, SearchSpace
@@ -76,7 +81,6 @@ from flowopt.settings import above, at_least, between, check_stage, one_of
 
 SAMPLERS = ("random", "tpe")
 WHY_PRUNED = "why_pruned"  # user attr: the pruner's reason, in words
-FRESH_CHUNKS, FRESH_CHUNK_MIN = 4, 8  # the finalists' fresh examples come in about 4 chunks of at least 8
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,7 @@ class RandomSearch(Stage):
             candidates' demos are fewer.
         max_labeled_demos: labeled demos in each teacher, and the demo count seeded candidates are
             topped up to with labeled examples (DSPy's ``max_labeled_demos``).
+        metric_threshold: the score a bootstrapped trace must reach to become a demo (``None``: truthy).
         sampler: ``"random"`` or ``"tpe"``.
         pruner: the name of a registered :class:`~flowopt.optimizers.search.pruners.Pruner`, each
             documented on its class: ``"confidence"`` (paired test against the leader, prune when worse
@@ -113,8 +118,8 @@ class RandomSearch(Stage):
             :data:`~flowopt.optimizers.search.pruning.ALPHA`: each prune is a 10% test that the
             challenger's whole-valset score is below the leader's; ``"anytime"``: over all of a
             challenger's looks against one leader). ``alpha=0.05`` prunes a candidate that is not
-            worse half as often, for more LM calls (on the search benchmark: 0.55x BFRS(8)'s calls
-            instead of 0.49x, the same held-out score).
+            worse half as often, for more LM calls (measured in
+            ``benchmarks/results/search_generalisation.md``).
         reduction_factor: successive halving's eta.
         minibatch_size: valset examples in the first rung (``confidence``, ``anytime``: at least 20;
             the other rules: at least ``max(20, 25% of the valset)``); then ``confidence`` looks again
@@ -125,6 +130,7 @@ class RandomSearch(Stage):
         finalists: how many fully scored candidates to re-score against the winner's curse (0: off).
         instructions: extra candidate instructions per predictor name (``"*"``: every predictor).
         proposer_lm: an LM that writes ``n_proposals`` more instructions per predictor.
+        n_proposals: instructions ``proposer_lm`` writes per predictor.
         temperatures: temperatures to try per node (the current one is always a candidate).
         ensemble_n: sample counts to try for ``ScEnsemble`` nodes of a Workflow.
         storage: ``None`` (sqlite file ``run_dir/search.db``; in memory without a run_dir),
@@ -360,54 +366,16 @@ class RandomSearch(Stage):
 
     def close_finalists(self, complete: list[Any]) -> list[Any]:
         """The fully scored trials (at most ``finalists``) the valset cannot tell from the leader, best first."""
-        ranked = sorted(complete, key=lambda t: (-t.value, t.user_attrs.get("candidate", t.number)))
-        leader = ranked[0].user_attrs[SCORES]
-        return [t for t in ranked[: max(1, self.finalists)]
-                if t is ranked[0] or not worse_than(t.user_attrs[SCORES], leader, self.alpha)]
+        return close_finalists(complete, self.finalists, self.alpha)
 
     @staticmethod
     def fresh_examples(programs: list[dspy.Module], ctx: StageContext) -> list[Any]:
         """The training examples the finalists are re-scored on: demos of none of ``programs``."""
-        shown = [d for p in programs for _, pred in p.named_predictors() for d in pred.demos]
-        return [e for e in ctx.trainset if not _is_shown(e, shown)][: max(1, len(ctx.valset) // 2)]
+        return fresh_examples(programs, ctx)
 
     def _finalists(self, complete: list[Any], space: CandidateSource, program: dspy.Module,
                    ctx: StageContext) -> list[dict[str, Any]]:
-        """Re-score the fully scored candidates the valset cannot tell from the leader on training
-        examples that are demos of none of them, a chunk at a time, only while their order is
-        uncertain: after each chunk a finalist shown worse (valset + fresh so far, the confidence
-        test) than the best one stops. The winner is the best by valset + fresh mean of those left."""
-        close = self.close_finalists(complete)
-        programs = [space.apply(program, t) for t in close]
-        fresh = self.fresh_examples(programs, ctx)
-        fresh_scores: list[list[float]] = [[] for _ in close]
-        left = list(range(len(close)))
-        stopped: dict[int, str] = {}
-        chunk = max(FRESH_CHUNK_MIN, math.ceil(len(fresh) / FRESH_CHUNKS))
-        try:
-            while len(left) > 1 and (done := len(fresh_scores[left[0]])) < len(fresh):
-                batch = fresh[done:done + chunk]
-                results = ctx.evaluate_many([(programs[i], batch) for i in left],
-                                            desc=f"{len(left)} finalists, fresh {done + len(batch)}/{len(fresh)}")
-                for i, result in zip(left, results):
-                    fresh_scores[i].extend(result.scores)
-                both = {i: [*close[i].user_attrs[SCORES], *fresh_scores[i]] for i in left}
-                best = max(left, key=lambda i: (sum(both[i]), -i))
-                for i in left:
-                    if i != best and worse_than(both[i], both[best], self.alpha):
-                        stopped[i] = (f"worse than candidate {_number(close[best])} on valset + {len(fresh_scores[i])} "
-                                      f"fresh examples at one-sided {self.alpha:.0%}")
-                left = [i for i in left if i not in stopped]
-        except BudgetExhausted:  # nothing fair to compare on: fall back to the valset alone
-            fresh_scores, left, stopped = [[] for _ in close], list(range(len(close))), {}
-        rows = []
-        for i, (trial, extra) in enumerate(zip(close, fresh_scores)):
-            val = trial.user_attrs[SCORES]
-            rows.append({"candidate": _number(trial), "kind": trial.user_attrs.get("kind"), "val": round(_mean(val), 6),
-                         "fresh": round(_mean(extra), 6) if extra else None, "fresh_n": len(extra),
-                         "combined": round(_mean([*val, *extra]), 6), "in_final": i in left,
-                         **({"stopped": stopped[i]} if i in stopped else {}), "trial": trial})
-        return rows
+        return rescore_finalists(self.close_finalists(complete), space, program, ctx, self.alpha)
 
     def pick_best(self, study: Any, space: CandidateSource, program: dspy.Module, ctx: StageContext,
               stop_reason: str, ends: list[int], n_val: int) -> dspy.Module:
@@ -443,21 +411,17 @@ class RandomSearch(Stage):
                    f"finalists the valset could not tell apart"
                    + (f" ({len(rows) - sum(r['in_final'] for r in rows)} stopped early, shown worse)"
                       if not all(r["in_final"] for r in rows) else ""))
-        ctx.record(best_candidate=_number(best), best_kind=best.user_attrs.get("kind"),
+        ctx.record(best_candidate=candidate_number(best), best_kind=best.user_attrs.get("kind"),
                    best_value=round(best.value, 6), why=why,
                    finalists=[{k: v for k, v in r.items() if k != "trial"} for r in rows],
-                   candidates=[_summary(t) for t in sorted(complete + pruned, key=_number)])
+                   candidates=[_summary(t) for t in sorted(complete + pruned, key=candidate_number)])
         return space.apply(program, best)
-
-
-def _number(trial: Any) -> int:
-    return int(trial.user_attrs.get("candidate", trial.number))
 
 
 def _summary(trial: Any) -> dict[str, Any]:
     """One candidate's line in the report: what it was, how far it was scored, and why it stopped."""
     values = trial.user_attrs.get(SCORES, [])
-    row = {"candidate": _number(trial), "kind": trial.user_attrs.get("kind"), "scored": len(values),
+    row = {"candidate": candidate_number(trial), "kind": trial.user_attrs.get("kind"), "scored": len(values),
            "mean": round(_mean(values), 4)}
     if WHY_PRUNED in trial.user_attrs:
         row["pruned"] = trial.user_attrs[WHY_PRUNED]
@@ -466,19 +430,13 @@ def _summary(trial: Any) -> dict[str, Any]:
 
 def _candidate_words(study: Any, reason: str) -> str:
     """The pruner names trials by their optuna number; the report names candidates."""
-    numbers = {t.number: _number(t) for t in study.get_trials(deepcopy=False)}
+    numbers = {t.number: candidate_number(t) for t in study.get_trials(deepcopy=False)}
     return re.sub(r"candidate (\d+)", lambda m: f"candidate {numbers.get(int(m.group(1)), m.group(1))}", reason)
 
 
 def _earlier_scores(trials: list[Any], exclude: set[int]) -> dict[int, list[float]]:
     """Per-example scores of finished (complete or pruned) trials of earlier waves."""
     return {t.number: list(t.user_attrs[SCORES]) for t in trials if SCORES in t.user_attrs and t.number not in exclude}
-
-
-def _is_shown(example: Any, demos: list[Any]) -> bool:
-    """Is ``example`` (its input fields) one of the ``demos``?"""
-    inputs = example.inputs().toDict()
-    return any(all(demo.get(k) == v for k, v in inputs.items()) for demo in demos)
 
 
 def _mean(values: Sequence[float]) -> float:

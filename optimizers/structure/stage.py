@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import dspy
 
-from flowopt.compiler.stage import Stage
+from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError, LMError
 from flowopt.optimizers.structure.pareto import pareto_point, pick_point
 from flowopt.optimizers.structure.proposers import LMProposer, Proposer, RuleProposer, Vocabulary
@@ -29,6 +29,7 @@ SPLITS = ("trainset", "valset")
 
 #: The stage's search settings unless told otherwise: three finalists re-measured on fresh examples.
 DEFAULT_SEARCH = SearchSettings(final_top=3)
+SEARCH_FIELDS = frozenset(f.name for f in dataclasses.fields(SearchSettings))
 
 
 @dataclass(frozen=True, init=False)
@@ -116,6 +117,13 @@ class StructureSearch(Stage):
         })
         self.vocabulary()  # checks the edit kinds now, not at run time
 
+    def __getattr__(self, name: str) -> Any:
+        """A search setting read by name (``stage.max_rounds``), as it may be passed."""
+        search = self.__dict__.get("search")
+        if search is not None and name in SEARCH_FIELDS:
+            return getattr(search, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def settings(self) -> dict[str, Any]:
         """The search settings and the stage's own, flat (as they may be passed)."""
         own = super().settings()
@@ -131,7 +139,7 @@ class StructureSearch(Stage):
             return LMProposer(self.optimizer_lm, vocabulary=self.vocabulary(), max_attempts=self.max_attempts)
         return RuleProposer(self.vocabulary())
 
-    def run(self, program: Any, ctx: Any) -> Any:
+    def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
         if not isinstance(program, Workflow):
             raise ConfigError(f"structure search needs a flowopt.Workflow, got {type(program).__name__}",
                               fix="declare the program as a Workflow, or leave 'structure' out of the stages")
@@ -233,7 +241,7 @@ class _Measurer:
     on every LM (the ambient one and the workflow's own), which gives a distinct sample and a distinct
     memo key, and counts the LM calls and tokens it took per example."""
 
-    def __init__(self, ctx: Any, examples: list[Any], *, rollout_offset: int = 0) -> None:
+    def __init__(self, ctx: StageContext, examples: list[Any], *, rollout_offset: int = 0) -> None:
         self.ctx, self.examples, self.offset = ctx, examples, rollout_offset
         self.calls: dict[str, int] = {}
 
@@ -274,7 +282,7 @@ def _with_rollout(lm: Any, rollout: int) -> Any:
 class _ContextCheckpoint:
     """The search's checkpoint in the stage folder, through the context (atomic JSON)."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
 
     def save(self, data: dict[str, Any]) -> None:

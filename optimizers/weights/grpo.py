@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import dspy
 
-from flowopt.compiler.stage import Stage
+from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.optimizers.weights.advantages import SCALINGS, Scaling, group_advantages
 from flowopt.optimizers.weights.agent_rollouts import Agent, AgentRollouts
@@ -72,6 +72,34 @@ class GRPO(Stage):
     ``rollout_server`` started with ``--record-rollouts``): the rollouts are episodes of any agent
     whose LLM calls the server records, rewarded by the agent (:mod:`.agent_rollouts`); ``program`` is
     then only what the adapter is attached to.
+
+    Settings:
+        student: the local model to train (``None``: the one the program runs on, else the embedded Gemma).
+        steps: optimizer steps (each one batch of rollouts).
+        batch_size: trainset examples per step.
+        group_size: rollouts per example (at least 2: advantages compare them).
+        temperature: the rollouts' sampling temperature (the log-probs are taken at it too).
+        max_new_tokens: the longest completion of one LM call in a rollout.
+        learning_rate, weight_decay: AdamW's.
+        lr_schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` decay over the steps.
+        warmup_steps: steps of linear warm-up before the schedule.
+        epsilon: the ratio clip (``1 - epsilon``, ``1 + epsilon``).
+        epsilon_high: a higher upper clip (DAPO's clip-higher; ``None``: ``epsilon``).
+        beta: the weight of the k3 KL to the reference (0: none).
+        scaling: the advantage's divisor: the group's, the batch's standard deviation, or none.
+        aggregation: how token losses are averaged (above).
+        passes: optimizer steps on each batch of rollouts.
+        micro_batch_size: sequences per forward pass (gradients accumulate over them).
+        max_grad_norm: the gradient-norm clip (``None``: none).
+        gradient_checkpointing: recompute activations in the backward pass (less memory, more compute).
+        node_rewards: per-node reward functions added to the metric (node id -> ``NodeReward``).
+        format_penalty: the reward taken off a rollout whose LM output could not be parsed.
+        lora: the adapter's shape (:class:`~flowopt.optimizers.weights.policy.LoraSettings`).
+        adapter: the DSPy adapter rollouts are rendered with (``None``: the configured one, else the
+            student's own choice).
+        checkpoint_every: save the adapter and optimizer state every this many steps (0: never).
+        plot: draw the reward curve (``reward_curve.png`` in the stage folder).
+        rollout_server: sample rollouts on an :class:`InferenceServer` instead of in this process.
 
     Example:
         >>> import flowopt
@@ -141,7 +169,7 @@ class GRPO(Stage):
                               fix="pass rollout_server=InferenceServer('http://127.0.0.1:8000/v1', adapter_dir=...)")
 
     # ------------------------------------------------------------------ the stage
-    def run(self, program: dspy.Module, ctx: Any) -> dspy.Module:
+    def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
         if not ctx.trainset:
             raise ConfigError("GRPO needs training examples, the trainset is empty", fix="pass a non-empty trainset")
         world = current_world()

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import dspy
 
-from flowopt.compiler.stage import Stage
+from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.lm.packing import pack
 from flowopt.lm.scoring import completion_logprobs
@@ -117,6 +117,22 @@ class BootstrapFinetune(Stage):
     demos and return the program without them (the teacher still runs with its demos); a small student
     can learn the task from the weights better than from demos it must read at every call.
 
+    Settings:
+        student, teacher, labels, exclude_demos: above.
+        epochs: passes over the training pairs.
+        learning_rate, weight_decay: AdamW's.
+        batch_size: pairs per optimizer step.
+        micro_batch_size: pairs per forward pass (gradients accumulate over them).
+        lr_schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` decay over the steps.
+        warmup_steps: steps of linear warm-up before the schedule.
+        max_grad_norm: the gradient-norm clip (``None``: none).
+        gradient_checkpointing: recompute activations in the backward pass (less memory, more compute).
+        metric_threshold: the score a teacher trace must reach to be learned from (``None``: truthy).
+        max_length: pairs longer than this many tokens (prompt and completion) are left out.
+        lora: the adapter's shape (:class:`~flowopt.optimizers.weights.policy.LoraSettings`).
+        adapter: the DSPy adapter prompts are rendered with (``None``: the configured one, else the
+            student's own choice).
+
     Example:
         >>> import flowopt
         >>> from flowopt.optimizers.weights import BootstrapFinetune
@@ -167,7 +183,7 @@ class BootstrapFinetune(Stage):
 
         return with_lm(program, self.teacher)
 
-    def run(self, program: dspy.Module, ctx: Any) -> dspy.Module:
+    def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
         if not ctx.trainset:
             raise ConfigError("BootstrapFinetune needs training examples, the trainset is empty",
                               fix="pass a non-empty trainset")

@@ -20,7 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1] / "compiler"))
 
 
-def _compile(run_dir: Path, *, resume: bool = False) -> str:
+def compile_task(run_dir: Path, *, resume: bool = False, latency_s: float = 0.0) -> str:
+    """The compile both fault workers run (demos, then a search), on a scripted LM; its canonical JSON.
+
+    With ``$FLOWOPT_TEST_CALL_LOG`` set, every LM call appends a line there (the signal test's clock)."""
     import dspy
     from fakes import exact, examples, reverse_answer
 
@@ -29,13 +32,18 @@ def _compile(run_dir: Path, *, resume: bool = False) -> str:
     from flowopt.optimizers.search import RandomSearch
     from flowopt.testing import scripted_lm
 
+    call_log = os.environ.get("FLOWOPT_TEST_CALL_LOG")
+
     def answer(req):
+        if call_log:
+            with open(call_log, "a") as log:
+                log.write("call\n")
         q = req.inputs.get("question", "")
         cats = {str(d.get("question", "")).split(":")[0] for d in req.demos
                 if str(d.get("answer", "")).startswith("#")}
         return {"answer": reverse_answer(q) if q.split(":")[0] in cats else q}
 
-    lm = scripted_lm(answer, model="scripted/disk-full")
+    lm = scripted_lm(answer, latency_s=latency_s, model="scripted/fault-task")
     stages = [("demos", {"max_labeled_demos": 4}),
               RandomSearch(n_candidates=8, seeded=3, max_demos=3, pool_size=6, parallel=2, max_labeled_demos=4)]
     with dspy.context(lm=lm):
@@ -69,7 +77,7 @@ def _fill_and_run(small: Path, free: int) -> dict:
         handle.write(b"\0" * max(0, stat.f_bavail * stat.f_frsize - free))
     run_dir = small / f"run-{free}"
     try:
-        seen["first"] = _compile(run_dir)
+        seen["first"] = compile_task(run_dir)
     except DiskFullError as err:
         seen["error"] = {"type": type(err).__name__, "message": str(err), "path": err.path, "needed": err.needed}
     except Exception as err:  # reported to the test, which fails on it
@@ -78,14 +86,14 @@ def _fill_and_run(small: Path, free: int) -> dict:
     seen["broken_json"] = _broken_json(run_dir)
     seen["temp_files"] = [name for name in seen["files_after_error"] if Path(name).name.endswith(".tmp")]
     ballast.unlink()
-    seen["resumed"] = _compile(run_dir, resume=True)
+    seen["resumed"] = compile_task(run_dir, resume=True)
     shutil.rmtree(run_dir)
     return seen
 
 
 def main() -> None:
     small, roomy, out_path = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-    reference = _compile(roomy / "run")
+    reference = compile_task(roomy / "run")
     runs = [_fill_and_run(small, int(free)) for free in sys.argv[4:]]
     out_path.write_text(json.dumps({"reference": reference, "reference_files": _files(roomy / "run"),
                                     "runs": runs}))

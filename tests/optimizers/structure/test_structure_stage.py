@@ -163,6 +163,9 @@ def test_the_stage_holds_its_search_settings_and_takes_them_by_name_too():
     assert StructureSearch(search=SearchSettings(max_rounds=7, selection="uct", final_top=3)) == by_name
     assert StructureSearch(search={"max_rounds": 7, "selection": "uct"}) == by_name
     assert StructureSearch(**by_name.settings()).settings() == by_name.settings()  # flat and JSON-able, as passed
+    assert by_name.max_rounds == 7 and by_name.selection == "uct"  # and read by name
+    with pytest.raises(AttributeError):
+        by_name.rounds  # noqa: B018
     with pytest.raises(ConfigError, match="SearchSettings"):
         StructureSearch(search=5)
     with pytest.raises(ConfigError, match="max_rounds"):

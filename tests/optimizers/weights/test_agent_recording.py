@@ -195,14 +195,14 @@ def test_a_react_workflow_runs_on_the_served_endpoint_and_is_recorded(recording_
     its requests tagged with a rollout id: one recorded transition per LM call."""
     import flowopt
     from flowopt.modules import ReAct
-    from flowopt.optimizers.weights.tiny import plain_adapter
+    from tests.optimizers.weights.word_adapter import WordAdapter
 
     base, _ = recording_server
     lm = dspy.LM("openai/tiny", api_base=base, api_key="unused", cache=False, max_tokens=3, temperature=1.0,
                  extra_headers={"X-Rollout-Id": "react-1"})
     program = flowopt.Workflow("question -> answer").add(
         "solve", ReAct("question -> answer", tools=["calculator"], max_steps=2))
-    with dspy.context(lm=lm, adapter=plain_adapter()):
+    with dspy.context(lm=lm, adapter=WordAdapter()):
         prediction = program(question="add 3 4")
     assert isinstance(prediction.answer, str)
     record = httpx.get(f"{base}/rollouts/react-1").json()

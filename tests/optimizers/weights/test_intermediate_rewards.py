@@ -126,14 +126,14 @@ def test_rollouts_record_tool_calls_under_the_lm_call_that_chose_them(tiny_local
     from flowopt.modules import ReAct
     from flowopt.optimizers.weights.policy import LoraSettings, Policy
     from flowopt.optimizers.weights.rollout import run_rollouts
-    from flowopt.optimizers.weights.tiny import plain_adapter
+    from tests.optimizers.weights.word_adapter import WordAdapter
 
     policy = Policy(tiny_local, lora=LoraSettings(r=4, alpha=8))
     policy.start_adapter("react-test")
     program = flowopt.Workflow("cue -> word").add("solve", ReAct("cue -> word", tools=["calculator"], max_steps=2))
     examples = [dspy.Example(cue="red").with_inputs("cue")]
     rollouts = run_rollouts(program, examples, 2, policy, temperature=1.0, max_new_tokens=3,
-                            generator=torch.Generator().manual_seed(0), adapter=plain_adapter())
+                            generator=torch.Generator().manual_seed(0), adapter=WordAdapter())
     for r in rollouts:
         assert r.error is None and len(r.transitions) == 3  # two act steps, then extract
         assert len(r.tool_calls) == 2 and {c.status for c in r.tool_calls} <= {"ok", "error", "unknown_tool"}
