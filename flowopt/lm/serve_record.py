@@ -227,8 +227,9 @@ class Recording:
         rollout = recorder.rollout_id(headers) if recorder is not None else None
         if recorder is None or rollout is None:
             return cls(body)
-        if body.stream:
-            raise RecordingRefused(400, "a recorded request must not stream; send stream=false")
+        if body.stream or getattr(body, "echo", False):
+            raise RecordingRefused(400, "a recorded request must not stream or echo its prompt; send "
+                                        "stream=false and echo=false")
         return cls(recorder.prepare(rollout, body), body, recorder, rollout)
 
     def finish(self, answer: dict[str, Any]) -> dict[str, Any]:
@@ -245,7 +246,7 @@ def _as_asked(asked: Any, answer: dict[str, Any]) -> dict[str, Any]:
         for choice in answer["choices"]:
             choice.pop("token_ids", None)
             choice.pop("prompt_token_ids", None)
-    if not asked.wants_logprobs():
+    if asked.top_logprobs_wanted() is None:
         for choice in answer["choices"]:
             choice["logprobs"] = None
     return answer

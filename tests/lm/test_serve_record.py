@@ -41,9 +41,9 @@ def test_limits_and_a_server_without_the_mode(local):
     recorder = RolloutRecorder()
     client = TestClient(create_app(local, recorder=recorder))
     body = {"prompt": "cue : red", "max_tokens": 1}
+    asked = type("Asked", (), {"return_token_ids": False, "top_logprobs_wanted": lambda self: None})()
     for _ in range(MAX_TRANSITIONS):
-        recorder.record("full", type("Asked", (), {"return_token_ids": False, "wants_logprobs": lambda self: False})(),
-                        {"model": "tiny", "choices": [{"logprobs": None}]})
+        recorder.record("full", asked, {"model": "tiny", "choices": [{"logprobs": None}]})
     over = client.post("/v1/completions", headers={"X-Rollout-Id": "full"}, json=body)
     assert over.status_code == 409 and str(MAX_TRANSITIONS) in over.json()["error"]["message"]
     nan = client.post("/v1/rollouts/full/reward", content='{"reward": NaN}',
