@@ -121,6 +121,13 @@ def _local_lm_cuda(r: dict[str, Any]) -> None:
     assert r["batch_sizes"][-1] > 1  # the 8 concurrent callers were batched
 
 
+def _decode_side_by_side(r: dict[str, Any]) -> None:
+    assert set(r["rates"]) == {"1", "4"} and all(rate > 0 for c in r["rates"].values() for rate in c.values())
+    # Greedy, same prompts and limit, both stop at EOS: LocalLM and generate produce the same number of tokens.
+    assert all(t["local"] == t["generate"] for t in r["tokens"].values())
+    assert r["local_decode_stats"]["steps"] > 0
+
+
 def _weights_distributed(r: dict[str, Any]) -> None:
     # Gold-label SFT on 2 processes trains the 1-process adapter.
     assert r["finetune"]["max_abs_difference"] <= 1e-5 and r["finetune"]["largest_lora_B"] > 0
@@ -159,6 +166,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "compile_vs_dspy": ((), _compile_vs_dspy),
     "search_generalisation": ((), _search_generalisation),
     "lm_throughput": ((), _lm_throughput),
+    "decode_side_by_side": ((), _decode_side_by_side),
     "hotpotqa_sft_vs_trl": (("trl",), _hotpotqa_sft_vs_trl),
     "parse_rate": ((), _parse_rate),
     "cpu_bf16_paths": ((), _cpu_bf16_paths),
