@@ -10,8 +10,9 @@ from flowopt.modules.chain_of_thought import ChainOfThought
 from flowopt.modules.custom import Custom
 from flowopt.modules.predict import Predict
 from flowopt.modules.programmer import Programmer
+from flowopt.modules.react import ReAct
 from flowopt.modules.refine import Refine
 from flowopt.modules.retrieve import Retrieve
 from flowopt.modules.sc_ensemble import ScEnsemble
 
-__all__ = ["ChainOfThought", "Custom", "Predict", "Programmer", "Refine", "Retrieve", "ScEnsemble"]
+__all__ = ["ChainOfThought", "Custom", "Predict", "Programmer", "ReAct", "Refine", "Retrieve", "ScEnsemble"]

@@ -47,6 +47,7 @@ from flowopt.errors import FlowoptError
 from flowopt.lm.sampling import RowSettings, Sample, derive_seed
 from flowopt.lm.serve_logprobs import chat_logprobs, text_logprobs
 from flowopt.lm.serve_lora import LoraRefused, RuntimeLoras
+from flowopt.lm.serve_record import Recording, RecordingRefused, RolloutRecorder
 from flowopt.lm.serve_schema import (
     MAX_BODY_BYTES,
     MAX_ROWS,
@@ -274,7 +275,7 @@ class BodyLimit:
 
 
 def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeLoras | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, recorder: RolloutRecorder | None = None) -> FastAPI:
     """The FastAPI application serving ``local`` under ``model_name`` (default: its name).
 
     Request bodies are pydantic models: a malformed or out-of-bounds body is a 400 in OpenAI's error
@@ -290,7 +291,7 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
     """
     name = model_name or local.name
     loras = loras or RuntimeLoras(local, lora_root=None)
-    app = FastAPI(title="flowopt serve", version="1")
+    app = FastAPI(title="flowopt serve", version="1", routes=recorder.routes(loras) if recorder is not None else None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
@@ -311,7 +312,11 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
         return _error(404, f"The model {model!r} does not exist: this server serves {[c['id'] for c in model_cards()]}",
                       "NotFoundError", param="model", code="model_not_found")
 
-    async def answer(handler: Any, body: SamplingRequest, prompts: Any) -> Any:
+    async def answer(handler: Any, body: SamplingRequest, prompts: Any, request: Request) -> Any:
+        try:  # recording mode (flowopt.lm.serve_record): a request tagged with a rollout id is recorded
+            body = (recording := Recording.start(recorder, request.headers, body)).body
+        except RecordingRefused as exc:
+            return _error(exc.status, str(exc), "invalid_request_error")
         adapter = loras.adapter_for(body.model)
         if adapter is None and body.model not in (None, name):
             return not_found(body.model)
@@ -321,7 +326,7 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
             if body.stream:
                 return _stream(local, body, served, pinned, [ids for _, ids in prompts(local, body)])
             # Generation blocks; a worker thread per request lets concurrent requests meet in one batch.
-            return JSONResponse(await run_in_threadpool(handler, local, body, served, pinned))
+            return JSONResponse(recording.finish(await run_in_threadpool(handler, local, body, served, pinned)))
         except (BadRequest, FlowoptError) as exc:
             return _error(400, str(exc), "invalid_request_error", param=getattr(exc, "param", None))
         except Exception as exc:  # the server stays up; the client sees what went wrong
@@ -329,12 +334,12 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
             return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest) -> Any:
-        return await answer(chat_completion, body, lambda lm, b: [("", _chat_prompt(lm, b))])
+    async def chat(body: ChatRequest, request: Request) -> Any:
+        return await answer(chat_completion, body, lambda lm, b: [("", _chat_prompt(lm, b))], request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
-        return await answer(text_completion, body, _prompts)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await answer(text_completion, body, _prompts, request)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraRequest) -> Any:
@@ -387,6 +392,9 @@ def _parser() -> argparse.ArgumentParser:
                              "needs --lora-root")
     parser.add_argument("--lora-root", help="the only folder adapters may be loaded from (with --enable-lora)")
     parser.add_argument("--max-loras", type=int, default=4, help="adapters loaded at once (default 4)")
+    parser.add_argument("--record-rollouts", action="store_true",
+                        help="record requests tagged with an X-Rollout-Id header as training transitions "
+                             "(flowopt.lm.serve_record)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -424,7 +432,8 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
         return 2
     loras = RuntimeLoras(local, lora_root=options.lora_root if options.enable_lora else None,
                          max_loras=options.max_loras)
-    app = create_app(local, model_name=options.name, loras=loras)
+    app = create_app(local, model_name=options.name, loras=loras,
+                     recorder=RolloutRecorder() if options.record_rollouts else None)
     logger.info("serving %r at http://%s:%d/v1", options.name or local.name, options.host, options.port)
     uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)
     return 0

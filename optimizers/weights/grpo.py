@@ -3,8 +3,11 @@
 Per step: draw ``batch_size`` training examples, run the program ``group_size`` times on each at
 ``temperature`` (every LM call recorded as a transition), reward each rollout, turn the rewards into
 group-relative advantages, give each rollout's advantage to every one of its transitions, and make
-``passes`` clipped-surrogate updates. Checkpoints (adapter, optimizer, reward curve) go to the stage's
-run folder every ``checkpoint_every`` steps; ``resume=True`` continues from the last one. With
+``passes`` clipped-surrogate updates. Intermediate rewards (``tool_rewards``, and ``node_rewards`` with
+``node_reward_credit="transition"``) are added, times ``intermediate_weight``, to the advantage of the
+one transition that earned each (:func:`~.rewards.transition_rewards`). Checkpoints (adapter,
+optimizer, reward curve) go to the stage's run folder every ``checkpoint_every`` steps; ``resume=True``
+continues from the last one. With
 ``rollout_server`` the rollouts are sampled by an inference server instead, the adapter pushed to it
 before every step (:mod:`flowopt.optimizers.weights.served`).
 
@@ -32,6 +35,7 @@ import dspy
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.optimizers.weights.advantages import SCALINGS, Scaling, group_advantages
+from flowopt.optimizers.weights.agent_rollouts import Agent, AgentRollouts
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter, torch_generator
 from flowopt.optimizers.weights.distributed import World, agree_on_budget, current_world
 from flowopt.optimizers.weights.learner import GRPOLearner, ScoredTransition
@@ -39,10 +43,11 @@ from flowopt.optimizers.weights.loss import AGGREGATIONS
 from flowopt.optimizers.weights.memory import out_of_memory_errors
 from flowopt.optimizers.weights.optim import SCHEDULES
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
-from flowopt.optimizers.weights.rewards import NodeReward, score_rollout
+from flowopt.optimizers.weights.rewards import CREDITS, NodeReward, score_rollout, transition_rewards
 from flowopt.optimizers.weights.rollout import Rollout, run_rollouts
 from flowopt.optimizers.weights.served import InferenceServer, ServedRollouts
 from flowopt.settings import above, at_least, check_stage, one_of
+from flowopt.tools import TOOL_STATUSES
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +65,13 @@ class GRPO(Stage):
     third more compute for much less activation memory (TRL's default; off here). ``rollout_server``
     (an :class:`~flowopt.optimizers.weights.served.InferenceServer`): sample rollouts on vLLM or
     ``flowopt serve`` with the adapter pushed there each step; the update stays here.
+    ``tool_rewards`` (``{"ok": 0.1, "error": -0.1}``: a reward per tool call by its status) and
+    ``node_reward_credit="transition"`` (each node reward to the LM call that earned it, not into the
+    rollout's reward) make intermediate rewards: a transition's advantage is its rollout's plus
+    ``intermediate_weight`` times its own. Off by default (GRPO's loss as before). ``agent`` (with a
+    ``rollout_server`` started with ``--record-rollouts``): the rollouts are episodes of any agent
+    whose LLM calls the server records, rewarded by the agent (:mod:`.agent_rollouts`); ``program`` is
+    then only what the adapter is attached to.
 
     Settings:
         student: the local model to train (``None``: the one the program runs on, else the embedded Gemma).
@@ -122,11 +134,15 @@ class GRPO(Stage):
     gradient_checkpointing: bool = False
     node_rewards: Mapping[str, NodeReward] | None = None
     format_penalty: float = 1.0
+    tool_rewards: Mapping[str, float] | None = None
+    node_reward_credit: str = "rollout"
+    intermediate_weight: float = 1.0
     lora: LoraSettings = field(default_factory=LoraSettings)
     adapter: Any = None
     checkpoint_every: int = 5
     plot: bool = True
     rollout_server: InferenceServer | None = None
+    agent: Agent | None = None
 
     def __post_init__(self) -> None:
         check_stage(self, {
@@ -136,8 +152,18 @@ class GRPO(Stage):
             "epsilon": above(0.0, 1.0), "epsilon_high": above(0.0, 1.0), "beta": at_least(0.0),
             "scaling": one_of(*SCALINGS), "aggregation": one_of(*AGGREGATIONS), "passes": at_least(1),
             "micro_batch_size": at_least(1), "max_grad_norm": above(0.0), "format_penalty": at_least(0.0),
-            "checkpoint_every": at_least(0),
+            "checkpoint_every": at_least(0), "node_reward_credit": one_of(*CREDITS),
+            "intermediate_weight": at_least(0.0),
         })
+        unknown = sorted(set(self.tool_rewards or ()) - set(TOOL_STATUSES))
+        if unknown:
+            raise ConfigError(f"GRPO tool_rewards names unknown tool-call statuses {unknown}",
+                              fix=f"use statuses from {list(TOOL_STATUSES)}, e.g. "
+                                  "tool_rewards={'ok': 0.1, 'error': -0.1}")
+        if self.agent is not None and self.rollout_server is None:
+            raise ConfigError("GRPO(agent=...) trains on the agent's LLM calls recorded by a server, but no "
+                              "rollout_server is set", fix="pass rollout_server=InferenceServer(URL, adapter_dir=...) "
+                                                           "of a flowopt serve started with --record-rollouts")
         if self.rollout_server is not None and not isinstance(self.rollout_server, InferenceServer):
             raise ConfigError(f"rollout_server must be an InferenceServer, got {type(self.rollout_server).__name__}",
                               fix="pass rollout_server=InferenceServer('http://127.0.0.1:8000/v1', adapter_dir=...)")
@@ -179,13 +205,15 @@ class GRPO(Stage):
         served = ServedRollouts(self.rollout_server, policy, prefix=name) if self.rollout_server else None
         if served is not None:
             served.start()
+        agents = None if served is None or self.agent is None else AgentRollouts(
+            served, self.agent, format_penalty=self.format_penalty, temperature=self.temperature)
         # One set of rollout threads for the whole run (B x G of them wait together in every step).
         pool = ThreadPoolExecutor(max_workers=len(world.share(self.batch_size * self.group_size)),
                                   thread_name_prefix="flowopt-rollout")
         try:
             for step in range(first, self.steps):
                 with self._out_of_memory(step):
-                    point = self._step(step, program, ctx, policy, learner, adapter, pool, world, served)
+                    point = self._step(step, program, ctx, policy, learner, adapter, pool, world, served, agents)
                 curve.append(point)
                 ctx.logger.info("grpo step %d/%d: reward %.3f (+/- %.3f), loss %.4f, failures %d",
                                 step + 1, self.steps, point["mean_reward"], point["reward_std"], point["loss"],
@@ -200,6 +228,8 @@ class GRPO(Stage):
             ctx.logger.info("grpo: budget exhausted after %d steps (%s)", len(curve), err.limit)
         finally:
             pool.shutdown(wait=True)
+            if agents is not None:
+                agents.close()
             if served is not None:
                 served.close()
             if progress is not None:
@@ -220,7 +250,7 @@ class GRPO(Stage):
 
     def _step(self, step: int, program: dspy.Module, ctx: Any, policy: Policy, learner: GRPOLearner,
               adapter: Any, pool: ThreadPoolExecutor, world: World,
-              served: ServedRollouts | None = None) -> dict[str, Any]:
+              served: ServedRollouts | None = None, agents: AgentRollouts | None = None) -> dict[str, Any]:
         import torch
 
         t0 = time.monotonic()
@@ -235,14 +265,20 @@ class GRPO(Stage):
         error: BudgetExhausted | None = None
         rollouts: list[Rollout] = []
         mine: list[tuple[float, float | None, bool]] = []
+        own: list[list[float]] | None = None
         try:
             ctx.budget.check()
             with ctx.budget.guard():  # a metric may call an LM too
-                rollouts = self._rollouts(program, examples, policy, adapter, pool, world, seed,
-                                          served=served, served_seed=served_seed)
-                mine = [(score_rollout(r, ctx.metric, node_rewards=self.node_rewards,
-                                       format_penalty=self.format_penalty), r.score, r.error is not None)
-                        for r in rollouts]
+                if agents is not None:  # the agent's episodes, rewarded by the agent
+                    rollouts = agents.run(examples, self.group_size, step, pool)
+                else:
+                    rollouts = self._rollouts(program, examples, policy, adapter, pool, world, seed,
+                                              served=served, served_seed=served_seed)
+                    by_rollout = None if self.node_reward_credit == "transition" else self.node_rewards
+                    for r in rollouts:
+                        score_rollout(r, ctx.metric, node_rewards=by_rollout, format_penalty=self.format_penalty)
+                mine = [(r.reward, r.score, r.error is not None) for r in rollouts]
+                own = self._own_rewards(rollouts)
         except BudgetExhausted as err:
             error = err
         agree_on_budget(world, error)  # every rank stops together
@@ -251,7 +287,8 @@ class GRPO(Stage):
         rewards = torch.tensor([reward for reward, _, _ in every])
         advantages = group_advantages(rewards.view(len(examples), self.group_size), self.scaling).flatten()
         share = world.share(len(every))
-        items = _scored_transitions(rollouts, advantages[share.start:share.stop].tolist())
+        items = scored_transitions(rollouts, advantages[share.start:share.stop].tolist(), own,
+                                   weight=self.intermediate_weight)
         stats = learner.update(items)
         t2 = time.monotonic()
         scores = [score for _, score, _ in every if score is not None]
@@ -259,7 +296,10 @@ class GRPO(Stage):
                  "mean_score": sum(scores) / len(scores) if scores else 0.0,
                  "format_failures": sum(failed for _, _, failed in every),
                  "rollout_s": round(t1 - t0, 3), "update_s": round(t2 - t1, 3), "step_s": round(t2 - t0, 3),
-                 "completion_tokens": stats.tokens}
+                 "completion_tokens": stats.tokens,
+                 "tool_calls": sum(len(r.tool_calls) for r in rollouts)}
+        if own is not None:  # this process's rollouts: the mean of each one's summed intermediate rewards
+            point["intermediate_reward"] = sum(map(sum, own)) / max(1, len(own))
         point.update({k: v for k, v in dataclasses.asdict(stats).items()})
         return point
 
@@ -278,6 +318,13 @@ class GRPO(Stage):
         # A stream per rank: the same draws everywhere would give a group's members on two ranks equal samples.
         rank_seed = random.Random(f"{seed}:rank:{world.rank}").getrandbits(63)
         return run_rollouts(program, mine, 1, policy, generator=torch_generator(policy, rank_seed), **options)
+
+    def _own_rewards(self, rollouts: list[Rollout]) -> list[list[float]] | None:
+        """Each rollout's per-transition rewards, or ``None`` when no intermediate reward is set."""
+        nodes = self.node_rewards if self.node_reward_credit == "transition" else None
+        if not self.tool_rewards and not nodes:
+            return None
+        return [transition_rewards(r, tool_rewards=self.tool_rewards, node_rewards=nodes) for r in rollouts]
 
     def _out_of_memory(self, step: int) -> AbstractContextManager[None]:
         done = step - step % self.checkpoint_every if self.checkpoint_every else 0
@@ -338,9 +385,20 @@ def _draw(rng: random.Random, n: int, k: int) -> list[int]:
     return [rng.randrange(n) for _ in range(k)]
 
 
-def _scored_transitions(rollouts: list[Rollout], advantages: list[float]) -> list[ScoredTransition]:
+def scored_transitions(rollouts: list[Rollout], advantages: list[float], own: list[list[float]] | None = None,
+                       *, weight: float = 1.0) -> list[ScoredTransition]:
+    """Every LM call of every rollout with its rollout's advantage, plus ``weight`` times its own reward
+    (``own[i][j]``: transition j of rollout i) when intermediate rewards are set.
+
+    Example:
+        >>> from flowopt.optimizers.weights.rollout import Rollout, Transition
+        >>> r = Rollout(0, 0, None, transitions=[Transition([1], [2], [-0.1], "", "stop")] * 2)
+        >>> [t.advantage for t in scored_transitions([r], [0.5], [[0.2, 0.0]], weight=0.5)]
+        [0.6, 0.5]
+    """
     items = []
     for index, (rollout, advantage) in enumerate(zip(rollouts, advantages)):
-        for t in rollout.transitions:  # every LM call of the rollout shares its advantage
-            items.append(ScoredTransition(t.prompt_ids, t.completion_ids, t.logprobs, float(advantage), rollout=index))
+        for j, t in enumerate(rollout.transitions):  # every LM call of the rollout shares its advantage
+            value = float(advantage) + (weight * own[index][j] if own is not None else 0.0)
+            items.append(ScoredTransition(t.prompt_ids, t.completion_ids, t.logprobs, value, rollout=index))
     return items

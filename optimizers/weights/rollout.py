@@ -4,7 +4,11 @@ The program's predictors call the student through flowopt's one local engine
 (:class:`flowopt.lm.engine.LocalEngine`), pinned to the trained adapter, with the lockstep batching
 policy and a recorder: each call is recorded as a :class:`Transition` (prompt ids, completion ids,
 their log-probs at sampling time) in the rollout that made it, found through a context variable, so
-calls from a Workflow's parallel node threads land in the right rollout too.
+calls from a Workflow's parallel node threads land in the right rollout too. Each transition is tagged
+with the predictor call that made it (a DSPy callback), and each rollout keeps those calls
+(:class:`NodeCall`: node, inputs, outputs) and the tool calls its tool-using nodes made
+(:class:`~flowopt.tools.ToolCall`, each naming the transition that chose it), so rewards can be credited
+to the transitions that earned them (:mod:`.rewards`).
 
 :func:`run_rollouts` runs B examples x G samples of a program at once, one thread each.
 """
@@ -21,10 +25,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import dspy
+from dspy.utils.callback import BaseCallback
 
 from flowopt.lm.engine import LocalEngine, Lockstep
 from flowopt.lm.sampling import Sample, derive_seed
 from flowopt.optimizers.weights.policy import Policy
+from flowopt.tools import ToolCall, tool_log
 
 if TYPE_CHECKING:
     from flowopt.optimizers.weights.served import ServedRollouts
@@ -41,6 +47,17 @@ class Transition:
     logprobs: list[float]
     text: str
     finish_reason: str
+    call: str | None = None  # the predictor call (NodeCall.call_id) that made it
+
+
+@dataclass
+class NodeCall:
+    """One predictor call of a rollout: its node, inputs and outputs (``None`` when it raised)."""
+
+    call_id: str
+    node: str
+    inputs: dict[str, Any]
+    outputs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -57,16 +74,53 @@ class Rollout:
     format_failure: bool = False
     reward: float = 0.0
     score: float | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    node_calls: list[NodeCall] = field(default_factory=list)
 
 
 class _Recorder:
-    def __init__(self, key: tuple[int, int]) -> None:
+    def __init__(self, key: tuple[int, int], names: dict[int, str] | None = None) -> None:
         self.key = key
+        self.names = names or {}
         self.transitions: list[Transition] = []
+        self.calls: dict[str, NodeCall] = {}  # predictor calls by call id, in the order they started
         self.lock = threading.Lock()
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.transitions)
 
 
 _RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("flowopt_rollout", default=None)
+_PREDICTOR_CALL: contextvars.ContextVar[str | None] = contextvars.ContextVar("flowopt_predictor_call", default=None)
+
+
+class _CallTagger(BaseCallback):
+    """Files every predictor call of a rollout as a :class:`NodeCall` and marks it as the current call
+    while it runs, so the transitions it makes are tagged with it (callbacks run in the caller's context)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, contextvars.Token[str | None]] = {}
+
+    def on_module_start(self, call_id: str, instance: Any, inputs: dict[str, Any]) -> None:
+        recorder = _RECORDER.get()
+        if recorder is None or not isinstance(instance, dspy.Predict):
+            return
+        given = inputs.get("kwargs") or {}
+        values = {k: given[k] for k in instance.signature.input_fields if k in given}
+        with recorder.lock:
+            recorder.calls[call_id] = NodeCall(call_id, recorder.names.get(id(instance), "?"), values)
+        self.tokens[call_id] = _PREDICTOR_CALL.set(call_id)
+
+    def on_module_end(self, call_id: str, outputs: Any | None, exception: Exception | None = None) -> None:
+        token = self.tokens.pop(call_id, None)
+        if token is None:
+            return
+        _PREDICTOR_CALL.reset(token)
+        recorder = _RECORDER.get()
+        call = recorder.calls.get(call_id) if recorder is not None else None
+        if call is not None and exception is None and outputs is not None:
+            call.outputs = outputs.toDict() if hasattr(outputs, "toDict") else dict(outputs)
 
 
 def _rollout_key() -> tuple[int, int] | None:
@@ -82,7 +136,7 @@ def _record(sample: Sample) -> None:
     logprobs = sample.logprobs.tolist() if sample.logprobs is not None else []
     with recorder.lock:
         recorder.transitions.append(Transition(sample.prompt_ids, sample.completion_ids, logprobs, sample.text,
-                                               sample.finish_reason))
+                                               sample.finish_reason, call=_PREDICTOR_CALL.get()))
 
 
 class _QuietTruncation(logging.Filter):
@@ -187,25 +241,28 @@ def run_rollouts(program: dspy.Module, examples: Sequence[Any], group_size: int,
     names = predictor_names(student)
     rollouts = [Rollout(i, j, ex) for i, ex in enumerate(examples) for j in range(group_size)]
     parent = contextvars.copy_context()
+    tagger = _CallTagger()
 
     def one(rollout: Rollout) -> None:
-        recorder = _Recorder((rollout.example_index, rollout.sample_index))
+        recorder = _Recorder((rollout.example_index, rollout.sample_index), names)
         _RECORDER.set(recorder)
         try:
-            settings: dict[str, Any] = {"trace": []}
+            settings: dict[str, Any] = {"trace": [], "callbacks": [*(dspy.settings.get("callbacks") or []), tagger]}
             if adapter is not None:
                 settings["adapter"] = adapter
-            with dspy.context(**settings):
+            with dspy.context(**settings), tool_log(lm_calls=recorder.count) as tools:
                 try:
                     rollout.prediction = student(**rollout.example.inputs())
                 except Exception as err:
                     rollout.error = f"{type(err).__name__}: {err}"
                     rollout.format_failure = is_format_failure(err)
                 rollout.trace = _named_trace(dspy.settings.trace or [], names)
+            rollout.tool_calls = list(tools.calls)
         finally:
             if lockstep is not None:
                 lockstep.finished()
             rollout.transitions = recorder.transitions
+            rollout.node_calls = list(recorder.calls.values())
 
     quiet = _QuietTruncation()
     _DSPY_LM_LOGGER.addFilter(quiet)

@@ -227,12 +227,12 @@ def test_grpo_aggregation_weighs_every_rollout_the_same_however_many_calls_it_ma
 
 
 def test_every_transition_carries_its_rollouts_index():
-    from flowopt.optimizers.weights.grpo import _scored_transitions
+    from flowopt.optimizers.weights.grpo import scored_transitions
     from flowopt.optimizers.weights.rollout import Rollout, Transition
 
     call = Transition([2, 5], [6, 3], [-0.1, -0.2], "x", "stop")
     rollouts = [Rollout(0, 0, None, transitions=[call, call]), Rollout(0, 1, None, transitions=[call])]
-    items = _scored_transitions(rollouts, [0.5, -0.5])
+    items = scored_transitions(rollouts, [0.5, -0.5])
     assert [(t.rollout, t.advantage) for t in items] == [(0, 0.5), (0, 0.5), (1, -0.5)]
 
 
