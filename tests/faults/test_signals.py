@@ -70,7 +70,9 @@ def test_a_signal_stops_at_a_safe_point_and_resume_equals_the_uninterrupted_run(
     assert code == 0, output[-3000:]
     reference_program, reference_calls = reference
     assert program == reference_program  # canonical JSON of the resumed run = the uninterrupted run's
-    # Calls paid twice: at most those in flight when the signal came (the worker runs 2 threads).
+    # Calls paid twice: at most those in flight when the signal came (the worker runs 2 threads). The
+    # difference can be negative: two threads asking one request at once both miss DSPy's cache, and how
+    # often that happens differs from run to run.
     repeated = stopped_calls + resumed_calls - reference_calls
     print(f"{name} in the {where}: {stopped_calls} + {resumed_calls} calls against {reference_calls}")
-    assert 0 <= repeated <= 2
+    assert repeated <= 2
