@@ -1,0 +1,74 @@
+"""A training step's memory is bounded by its micro-batches' padded positions, without changing the step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowopt.lm.packing import micro_batches
+from flowopt.optimizers.weights import sft
+from flowopt.optimizers.weights.policy import LoraSettings, Policy
+
+
+def test_micro_batches_sort_by_length_and_keep_both_bounds():
+    lengths = [9, 2, 7, 3, 3, 8, 1, 30]
+    groups = micro_batches(lengths, max_rows=3, max_tokens=20)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every row exactly once
+    flat = [lengths[i] for g in groups for i in g]
+    assert flat == sorted(lengths)  # similar lengths together: little padding
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        assert len(g) <= 3
+        assert len(g) * longest <= 20 or len(g) == 1  # a row longer than the budget goes alone
+    assert [lengths[i] for i in groups[-1]] == [30]
+    assert micro_batches([4, 4, 4], max_rows=2) == [[0, 1], [2]]  # no token bound: rows only
+
+
+@pytest.mark.parametrize("bad", [{"max_rows": 0}, {"max_rows": 2, "max_tokens": 0}])
+def test_micro_batches_refuse_empty_bounds(bad):
+    with pytest.raises(ValueError):
+        micro_batches([1, 2], **bad)
+
+
+def _pairs(policy: Policy) -> list[tuple[list[int], list[int]]]:
+    texts = [("Cue: red Word:", "cat"), ("Noise: sun moon Cue: blue Word:", "dog"), ("Cue: green", "owl"),
+             ("Noise: tree Cue: red Noise: sun moon Word:", "cat")]
+    return [(policy.render([{"role": "user", "content": t}]), policy.completion_ids(w)) for t, w in texts]
+
+
+def test_token_budget_splits_the_forward_but_not_the_step(make_tiny_local, monkeypatch):
+    """The step with micro-batches of a few padded positions equals the step over the whole batch at once,
+    and the budget does cut the batch into several forward passes (each no wider than the budget allows)."""
+    shapes: list[tuple[int, int]] = []
+    score = sft.completion_logprobs
+
+    def recording(model, batch, *args, **kwargs):
+        shapes.append((len(batch.input_ids), int(batch.attention_mask.sum(1).max())))  # rows, longest row
+        return score(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(sft, "completion_logprobs", recording)
+    states, losses = [], []
+    for budget in (None, 24):
+        policy = Policy(make_tiny_local(), lora=LoraSettings(r=4, alpha=8))
+        policy.start_adapter("budget", seed=0)
+        pairs = _pairs(policy)
+        shapes.clear()
+        losses.append(sft.sft_train(policy, pairs, epochs=2, learning_rate=1e-2, batch_size=4,
+                                    micro_batch_tokens=budget))
+        states.append(policy.adapter_state())
+        if budget is None:
+            assert len(shapes) == 2  # one forward per step
+        else:
+            assert len(shapes) > 2
+            assert all(rows == 1 or rows * longest <= budget for rows, longest in shapes)
+            assert any(rows > 1 for rows, _ in shapes)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert all(torch.allclose(states[0][k], states[1][k], atol=1e-6) for k in states[0])
+
+
+def test_finetune_stage_checks_the_token_budget():
+    from flowopt.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        sft.BootstrapFinetune(labels="only", micro_batch_tokens=0)
+    assert sft.BootstrapFinetune(labels="only", micro_batch_tokens=None).micro_batch_tokens is None
