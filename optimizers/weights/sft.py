@@ -34,9 +34,9 @@ from flowopt.settings import above, at_least, check_stage, one_of
 
 logger = logging.getLogger(__name__)
 
-#: Padded positions per training micro-batch: about 1.5 GB of activations on Gemma 3 270M (bf16 base, float32
+#: Padded positions per training micro-batch: about 1.1 GB of activations on Gemma 3 270M (bf16 base, float32
 #: LoRA), so the README's finetune peaks near 3 GB of RSS instead of 10 (benchmarks/results/main_command.md).
-DEFAULT_MICRO_BATCH_TOKENS = 1024
+DEFAULT_MICRO_BATCH_TOKENS = 768
 
 
 def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, epochs: int = 3,
