@@ -72,3 +72,33 @@ def test_finetune_stage_checks_the_token_budget():
     with pytest.raises(ConfigError):
         sft.BootstrapFinetune(labels="only", micro_batch_tokens=0)
     assert sft.BootstrapFinetune(labels="only", micro_batch_tokens=None).micro_batch_tokens is None
+
+
+def test_training_keeps_one_frozen_copy_of_the_base_weights_in_their_dtype():
+    """A bf16 student trains without float32 copies of its weights and without a second model: every base
+    tensor keeps its dtype, storage and values, the reference model is the same storage with the adapter
+    off, and only the adapter's parameters take gradients."""
+    from flowopt.lm.local import LocalLM
+    from flowopt.optimizers.weights.tiny import tiny_causal_lm
+
+    from tests.optimizers.weights.conftest import WORDS
+
+    model, tokenizer = tiny_causal_lm(WORDS, seed=0)
+    local = LocalLM.from_model(model.to(torch.bfloat16), tokenizer, name="tiny-bf16", max_new_tokens=4)
+    try:
+        policy = Policy(local, lora=LoraSettings(r=4, alpha=8))
+        policy.start_adapter("dtype", seed=0)
+        base = {n: (p.dtype, p.data_ptr(), p.detach().clone()) for n, p in policy.model.named_parameters()
+                if "lora_" not in n}
+        sft.sft_train(policy, _pairs(policy), epochs=1, learning_rate=1e-2, batch_size=4, micro_batch_tokens=24)
+        params = dict(policy.model.named_parameters())
+        for name, (dtype, pointer, value) in base.items():
+            p = params[name]
+            assert p.dtype == dtype == torch.bfloat16 and p.data_ptr() == pointer and not p.requires_grad, name
+            assert torch.equal(p.detach(), value), name
+        assert {id(p) for p in policy.trainable_parameters()} == {id(p) for n, p in params.items() if "lora_" in n}
+        with policy.reference() as reference:
+            assert {n: p.data_ptr() for n, p in reference.named_parameters() if n in base} == {
+                n: pointer for n, (_, pointer, _) in base.items()}
+    finally:
+        local.close()
