@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from flowopt.errors import FlowoptError
+from flowopt.errors import FlowoptError, Interrupted
 
 logger = logging.getLogger("flowopt")
 
@@ -128,9 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         from flowopt.benchmarks.runner import run_bench
 
         return run_bench(args)
+    except Interrupted as err:  # SIGINT/SIGTERM inside a compile: stopped at a safe point, resumable
+        logger.error("%s", err)
+        return err.exit_code
     except FlowoptError as err:
         logger.error("%s", err)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a compile (loading, test scoring): every file is written whole
+        logger.error("stopped by SIGINT. Fix: rerun the same command with --resume to continue")
+        return 130
     finally:
         logging.getLogger("dspy.clients.lm").removeFilter(truncations)
         if truncations.hidden > 1:

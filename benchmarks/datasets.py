@@ -54,21 +54,17 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
-from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from flowopt.errors import ConfigError, DataError
 
+from .data_files import CHECKSUMS_FILE, DATA_DIR_ENV, data_dir, read_jsonl, verify_file
 from .metrics import Metric, get_metric
 
 if TYPE_CHECKING:
@@ -89,11 +85,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Environment variable that overrides the data folder.
-DATA_DIR_ENV = "FLOWOPT_DATA_DIR"
-#: Name of the checksum file (``sha256sum`` format) inside the packaged data folder.
-CHECKSUMS_FILE = "SHA256SUMS"
-_PACKAGED_DATA = Path(__file__).resolve().parent / "data"
 
 # The closed-book partition of the dev set (see the module docstring). Changing these changes the splits.
 _CLOSEDBOOK_SEED = 20180925
@@ -101,111 +92,6 @@ _CLOSEDBOOK_TRAIN = 200
 _CLOSEDBOOK_VAL = 300
 # DSPy's GSM8K loader: random.Random(0).shuffle of the official train and test lists.
 _DSPY_GSM8K_SEED = 0
-
-
-# ----------------------------------------------------------------------------------------- files
-
-
-def data_dir() -> Path:
-    """The data folder: ``$FLOWOPT_DATA_DIR`` if set, else the one shipped in the package.
-
-    Example:
-        >>> data_dir().name
-        'data'
-    """
-    override = os.environ.get(DATA_DIR_ENV)
-    return Path(override).expanduser().resolve() if override else _PACKAGED_DATA
-
-
-@lru_cache(maxsize=1)
-def _expected_checksums() -> Mapping[str, str]:
-    path = _PACKAGED_DATA / CHECKSUMS_FILE
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise DataError(
-            f"the benchmark checksum file {path} cannot be read ({err})",
-            fix="reinstall flowopt so that its package data (flowopt/benchmarks/data) is present",
-        ) from err
-    sums: dict[str, str] = {}
-    for line in lines:
-        if line.strip():
-            digest, name = line.split(maxsplit=1)
-            sums[name.strip().lstrip("*")] = digest.lower()
-    return MappingProxyType(sums)
-
-
-_verified: dict[Path, tuple[int, int]] = {}
-_verify_lock = threading.Lock()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def verify_file(relpath: str) -> Path:
-    """Path of the data file ``relpath`` (e.g. ``"gsm8k/test.jsonl"``) after checking its SHA-256.
-
-    The check runs once per file per process (again if the file's size or mtime changes).
-
-    Raises:
-        DataError: the file is missing, not listed in ``SHA256SUMS``, or its checksum differs.
-
-    Example:
-        >>> verify_file("gsm8k/test.jsonl").name
-        'test.jsonl'
-    """
-    expected = _expected_checksums().get(relpath)
-    if expected is None:
-        raise DataError(
-            f"benchmark data file {relpath!r} has no checksum in {_PACKAGED_DATA / CHECKSUMS_FILE}",
-            fix="add its sha256 to SHA256SUMS (see benchmarks/data/README.md) before reading it",
-        )
-    path = data_dir() / relpath
-    try:
-        stat = path.stat()
-    except OSError as err:
-        raise DataError(
-            f"benchmark data file {path} is missing ({err.strerror})",
-            fix=f"reinstall flowopt, or point {DATA_DIR_ENV} at a complete copy of flowopt/benchmarks/data "
-            f"(currently {os.environ.get(DATA_DIR_ENV) or 'unset'})",
-        ) from err
-    key = (stat.st_size, stat.st_mtime_ns)
-    with _verify_lock:
-        if _verified.get(path) == key:
-            return path
-        actual = _sha256(path)
-        if actual != expected:
-            raise DataError(
-                f"benchmark data file {path} fails its checksum: expected sha256 {expected}, got {actual}",
-                fix="restore the original file (reinstall flowopt, or in a source checkout run "
-                f"`git checkout benchmarks/data/{relpath}`), or unset {DATA_DIR_ENV} if it points at "
-                "a modified copy",
-            )
-        _verified[path] = key
-    logger.debug("verified %s (sha256 %s)", path, actual)
-    return path
-
-
-def _read_jsonl(relpath: str) -> list[dict[str, Any]]:
-    path = verify_file(relpath)
-    records = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise DataError(
-                    f"{path}:{lineno} is not valid JSON ({err.msg})",
-                    fix="restore the original data file",
-                ) from err
-    return records
 
 
 # ------------------------------------------------------------------------------------- records
@@ -217,7 +103,7 @@ def _gsm8k_final(answer: str) -> str:
 
 def _gsm8k_official(which: str) -> list[dict[str, Any]]:
     records = []
-    for n, rec in enumerate(_read_jsonl(f"gsm8k/{which}.jsonl")):
+    for n, rec in enumerate(read_jsonl(f"gsm8k/{which}.jsonl")):
         solution, sep, final = rec["answer"].rpartition("\n#### ")
         if not sep:
             raise DataError(
@@ -250,7 +136,7 @@ def _load_gsm8k_aflow(split: str) -> list[dict[str, Any]]:
     return [
         {"id": rec["id"], "question": rec["question"], "answer": _gsm8k_final(rec["answer"]),
          "solution": rec["cot"]}
-        for rec in _read_jsonl(f"aflow_splits/gsm8k_{name}.jsonl")
+        for rec in read_jsonl(f"aflow_splits/gsm8k_{name}.jsonl")
     ]
 
 
@@ -265,12 +151,12 @@ def aflow_paragraph(sentences: list[str]) -> str:
 
 
 def _official_hotpot_ids() -> dict[tuple[str, str], str]:
-    return {(r["question"], r["answer"]): r["_id"] for r in _read_jsonl("hotpotqa/dev_distractor_1000.jsonl")}
+    return {(r["question"], r["answer"]): r["_id"] for r in read_jsonl("hotpotqa/dev_distractor_1000.jsonl")}
 
 
 def _load_hotpotqa_aflow(split: str) -> list[dict[str, Any]]:
     name = "validate" if split == "val" else "test"
-    raw = _read_jsonl(f"aflow_splits/hotpotqa_{name}.jsonl")
+    raw = read_jsonl(f"aflow_splits/hotpotqa_{name}.jsonl")
     # AFlow's copy has 19 integer _ids (the dev position); the distractor-1000 file has the official ids.
     official = _official_hotpot_ids() if any(not isinstance(r["_id"], str) for r in raw) else {}
     records = []
@@ -306,7 +192,7 @@ def _load_hotpotqa_closedbook(split: str) -> list[dict[str, Any]]:
     dev = [
         {"id": f"hotpot-dev-{n}", "dev_index": n, "question": rec["question"], "answer": rec["answer"],
          "type": rec["type"]}
-        for n, rec in enumerate(_read_jsonl("hotpotqa/dev_simplified_react.jsonl"))
+        for n, rec in enumerate(read_jsonl("hotpotqa/dev_simplified_react.jsonl"))
     ]
     return [dev[i] for i in _closedbook_partition(len(dev))[split]]
 

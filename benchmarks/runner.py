@@ -31,6 +31,7 @@ from flowopt.errors import ConfigError
 from flowopt.io import atomic_write_json, atomic_write_text
 
 from .datasets import get_protocol, list_protocols
+from .lms import make_lm
 from .programs import PROGRAMS
 from .report import markdown, plot_scores, score_table
 from .scoring import TestScorer, paired_change
@@ -54,25 +55,6 @@ def run_bench(args: argparse.Namespace) -> int:
     results = _Run(plan, args).run(lm, adapter)
     sys.stdout.write(f"{score_table(results)}\nresults in {plan.out}/\n")
     return 0 if not any(row["status"] == "failed" for row in results["stages"]) else 1
-
-
-def make_lm(model: str, *, api_base: str | None = None, max_tokens: int = 256, batch: int = 16) -> tuple[Any, Any]:
-    """The LM and adapter for ``--lm``: local models (embedded name or folder) get the completion adapter
-    and generate up to ``batch`` concurrent calls as one batch."""
-    if model.startswith("local/") or model == "gemma-3-270m" or Path(model).is_dir():
-        from flowopt.lm import LocalLM, adapter_for
-
-        local = LocalLM(model.removeprefix("local/"), max_new_tokens=max_tokens, max_batch_size=batch)
-        return local.lm, adapter_for(local.lm)
-    if "/" not in model:
-        raise ConfigError(f"--lm {model!r} is neither a local model nor a litellm provider/model name",
-                          fix="use e.g. --lm openai/gpt-4o-mini, --lm gemma-3-270m or a model folder")
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
-    if api_base:
-        kwargs["api_base"] = api_base
-    if api_base and model.startswith("openai/"):
-        kwargs["api_key"] = "local"  # OpenAI-compatible local servers ignore it; litellm insists on one
-    return dspy.LM(model, **kwargs), None
 
 
 class _Run:

@@ -21,6 +21,7 @@ from typing import Any
 from flowopt.errors import ConfigError
 
 from .datasets import Protocol, get_protocol, load_split
+from .lms import make_lm
 from .programs import build_program
 
 #: The values ``--stages`` accepts besides a comma-separated list of stage names.
@@ -106,8 +107,6 @@ def build_stage(name: str, args: argparse.Namespace) -> Any:
 
         teacher = None
         if args.teacher:
-            from .runner import make_lm
-
             teacher, _ = make_lm(args.teacher, api_base=args.api_base, max_tokens=args.max_tokens)
         return BootstrapFinetune(student=args.student, teacher=teacher, epochs=args.epochs,
                                  labels=None if args.labels == "none" else args.labels,
@@ -120,11 +119,20 @@ def build_stage(name: str, args: argparse.Namespace) -> Any:
     return name
 
 
+def _check_out_folder(out: Path) -> None:
+    """--out must be a folder or creatable as one: neither it nor any folder above it may be a file."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder", fix="pass a folder path (new or an earlier run's)")
+    blocking = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"--out {out} lies under {blocking}, which is a file, so the folder cannot be created",
+                          fix=f"pass a folder path outside {blocking}, or move that file away")
+
+
 def plan_bench(args: argparse.Namespace) -> BenchPlan:
     """Check every setting and build the run; nothing is written and no LM is called."""
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder", fix="pass a folder path (new or an earlier run's)")
+    _check_out_folder(out)
     if args.resume and not any((out / name).exists() for name in ("results.json", "run", "evals")):
         raise ConfigError(f"--resume: {out} holds no earlier run", fix="drop --resume or point --out at an earlier run")
     _check_numbers(args)

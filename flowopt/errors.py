@@ -80,6 +80,56 @@ class SandboxError(FlowoptError):
     """Generated code failed in, or was stopped by, the Programmer sandbox."""
 
 
+class DiskFullError(FlowoptError, OSError):
+    """A write failed for lack of space (a full disk, a quota, or a file-size limit).
+
+    Raised by flowopt's atomic writers instead of a bare ``OSError``; it is still an ``OSError``. The
+    message names the file, the space it needed and what was free; the file's previous version, if
+    any, is intact (writes go to a temporary name first).
+
+    Example:
+        >>> err = DiskFullError("could not write run/report.json", path="run/report.json", needed=2048)
+        >>> isinstance(err, OSError), err.needed
+        (True, 2048)
+    """
+
+    def __init__(self, problem: str, *, path: str, needed: int | None = None, free: int | None = None,
+                 fix: str | None = None) -> None:
+        self.path = path
+        self.needed = needed
+        self.free = free
+        super().__init__(problem, fix=fix)
+
+
+class OutOfMemoryError(FlowoptError):
+    """A weights stage ran out of memory (CPU or GPU) for its batch; ``settings`` are the ones to lower.
+
+    Example:
+        >>> err = OutOfMemoryError("finetune ran out of memory", settings={"micro_batch_size": 8})
+        >>> err.settings
+        {'micro_batch_size': 8}
+    """
+
+    def __init__(self, problem: str, *, settings: dict[str, object], fix: str | None = None) -> None:
+        self.settings = dict(settings)
+        super().__init__(problem, fix=fix)
+
+
+class Interrupted(FlowoptError):
+    """SIGINT or SIGTERM stopped a run at a safe point; ``exit_code`` is the shell's ``128 + signal``.
+
+    Example:
+        >>> err = Interrupted("compile stopped by SIGTERM", signal="SIGTERM", number=15)
+        >>> err.exit_code
+        143
+    """
+
+    def __init__(self, problem: str, *, signal: str, number: int, fix: str | None = None) -> None:
+        self.signal = signal
+        self.exit_code = 128 + number
+        super().__init__(problem, fix=fix)
+
+
 class LMError(FlowoptError):
     """A language model could not be loaded or called."""
 

@@ -187,6 +187,10 @@ def load(path: str | Path, *, lms: Mapping[str, Any] | None = None, trust_endpoi
         >>> wf = flowopt.load("qa.json", lms={"default": dspy.LM("openai/gpt-4o-mini")})  # doctest: +SKIP
     """
     file = Path(path)
+    if file.is_dir():  # a folder written by wf.save(folder, save_program=True)
+        from flowopt.program_files import PROGRAM_JSON
+
+        file = file / PROGRAM_JSON
     if not file.is_file():
         raise SchemaError(f"no workflow file at {file}", fix="check the path, or save one with Workflow.save")
     wf = workflow_from_dict(read_document(file))

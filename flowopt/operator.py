@@ -8,6 +8,7 @@ calling the class with its settings and loading the predictor state: no code is 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from collections.abc import Callable
@@ -71,6 +72,12 @@ class Operator(dspy.Module):
     def config(self) -> dict[str, Any]:
         """JSON-serialisable settings; ``type(self)(self.spec, **self.config())`` rebuilds the node."""
         return {}
+
+    async def aforward(self, **inputs: Any) -> dspy.Prediction:
+        """``await op.acall(...)``: by default ``forward`` in a worker thread (with the caller's
+        ``dspy.context``), so every operator runs under asyncio; operators whose work is LM calls
+        override it with their predictors' ``acall``."""
+        return await asyncio.to_thread(self.forward, **inputs)
 
     def main_predictor(self) -> dspy.Predict | None:
         """The predictor whose instructions are the node's instructions (first one by default)."""

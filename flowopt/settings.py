@@ -44,6 +44,7 @@ class Bound:
     high: float | None = None
     low_open: bool = False
     choices: tuple[Any, ...] | None = None
+    high_open: bool = False
 
     def allows(self, value: Any) -> bool:
         if value is None:  # None passed the type check, so the annotation allows it
@@ -54,20 +55,20 @@ class Bound:
             return True  # a range only constrains numbers (sequence elements are checked one by one)
         if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
             return False
-        return self.high is None or value <= self.high
+        return self.high is None or value < self.high or (value == self.high and not self.high_open)
 
     def describe(self) -> str:
         if self.choices is not None:
             return f"one of {list(self.choices)}"
         low = "" if self.low is None else f"{'>' if self.low_open else '>='} {self.low:g}"
-        high = "" if self.high is None else f"<= {self.high:g}"
+        high = "" if self.high is None else f"{'<' if self.high_open else '<='} {self.high:g}"
         return " and ".join(p for p in (low, high) if p)
 
     def example(self) -> Any:
         if self.choices is not None:
             return self.choices[0]
         if self.low is None:
-            return self.high
+            return self.high if not self.high_open or self.high is None else self.high - 1
         return self.low if not self.low_open else (self.high if self.high is not None else self.low + 1)
 
 
@@ -84,6 +85,16 @@ def at_least(low: float) -> Bound:
 def above(low: float, high: float | None = None) -> Bound:
     """``value > low`` (and ``<= high`` when given)."""
     return Bound(low=low, high=high, low_open=True)
+
+
+def below(high: float, low: float | None = None) -> Bound:
+    """``value < high`` (and ``>= low`` when given).
+
+    Example:
+        >>> below(1.0, 0.0).allows(0.5), below(1.0, 0.0).allows(1.0), below(1.0, 0.0).describe()
+        (True, False, '>= 0 and < 1')
+    """
+    return Bound(low=low, high=high, high_open=True)
 
 
 def one_of(*choices: Any) -> Bound:

@@ -348,19 +348,25 @@ class Workflow(dspy.Module):
 
     # ------------------------------------------------------------------ running
     def forward(self, **inputs: Any) -> dspy.Prediction:
-        missing = [name for name in self.io.input_names if name not in inputs]
-        if missing:
-            raise WorkflowError("the program was called without this input", node=INPUT, field=missing[0],
-                                fix=f"call it with {self.io.input_names}")
+        self._check_call_inputs(inputs)
         order = self.topological_order()
         values: dict[str, dict[str, Any]] = {INPUT: dict(inputs)}
         if self._max_width(order) <= 1:
             for node_id in order:
-                values[node_id] = self._run_node(node_id, values)
+                values[node_id] = self.run_node(node_id, values)
         else:
             self._run_concurrently(order, values)
-        out = {dst: values[src][src_field] for dst, (src, src_field) in self.sources(OUTPUT).items()}
-        return dspy.Prediction(**out)
+        return self._program_outputs(values)
+
+    def _check_call_inputs(self, inputs: Mapping[str, Any]) -> None:
+        missing = [name for name in self.io.input_names if name not in inputs]
+        if missing:
+            raise WorkflowError("the program was called without this input", node=INPUT, field=missing[0],
+                                fix=f"call it with {self.io.input_names}")
+
+    def _program_outputs(self, values: Mapping[str, Mapping[str, Any]]) -> dspy.Prediction:
+        return dspy.Prediction(**{dst: values[src][src_field]
+                                  for dst, (src, src_field) in self.sources(OUTPUT).items()})
 
     def _max_width(self, order: list[str]) -> int:
         # Widest antichain is costly; the widest topological generation is a cheap, exact enough test
@@ -370,8 +376,22 @@ class Workflow(dspy.Module):
         return max(len([n for n in gen if n not in PSEUDO_NODES])
                    for gen in nx.topological_generations(self.graph))
 
+    def _dependencies(self, order: list[str]) -> dict[str, set[str]]:
+        return {n: {p for p in self.graph.predecessors(n) if p != INPUT} for n in order}
+
     def _run_concurrently(self, order: list[str], values: dict[str, dict[str, Any]]) -> None:
-        remaining = {n: {p for p in self.graph.predecessors(n) if p != INPUT} for n in order}
+        if dspy.settings.send_stream is not None:
+            # Under dspy.streamify the LM sends chunks with anyio.from_thread, which works only in AnyIO
+            # worker threads: run the branches there rather than in our own pool.
+            from flowopt.graph_async import run_in_anyio_threads
+
+            def run_and_keep(node_id: str) -> dict[str, Any]:
+                values[node_id] = self.run_node(node_id, values)  # later nodes read it from here
+                return values[node_id]
+
+            if run_in_anyio_threads(self._dependencies(order), run_and_keep) is not None:
+                return
+        remaining = self._dependencies(order)
         running: dict[Future[dict[str, Any]], str] = {}
         with ThreadPoolExecutor(max_workers=self._max_width(order),
                                 thread_name_prefix=f"flowopt-{self.name}") as pool:
@@ -382,7 +402,7 @@ class Workflow(dspy.Module):
                     # Each task runs in a copy of the caller's context, so dspy.context(lm=..., trace=...)
                     # set by the caller (e.g. an optimizer) applies inside the worker thread too.
                     ctx = contextvars.copy_context()
-                    running[pool.submit(ctx.run, self._run_node, node_id, values)] = node_id
+                    running[pool.submit(ctx.run, self.run_node, node_id, values)] = node_id
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
                     node_id = running.pop(future)
@@ -390,11 +410,21 @@ class Workflow(dspy.Module):
                     for deps in remaining.values():
                         deps.discard(node_id)
 
-    def _run_node(self, node_id: str, values: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        kwargs = {dst: values[src][src_field] for dst, (src, src_field) in self.sources(node_id).items()}
-        op = self.nodes[node_id]
+    def run_node(self, node_id: str, values: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Run one node on the outputs computed so far (``values``: node id -> its output fields, the
+        inputs under ``INPUT``), with its own LM bound; its output fields."""
+        op, kwargs = self.nodes[node_id], self._node_inputs(node_id, values)
+        with dspy.context(**self._node_overrides(node_id)):
+            pred = op(**kwargs)
+        return {name: pred[name] for name in op.spec.output_names}
+
+    def _node_inputs(self, node_id: str, values: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+        return {dst: values[src][src_field] for dst, (src, src_field) in self.sources(node_id).items()}
+
+    def _node_overrides(self, node_id: str) -> dict[str, Any]:
+        """The ``dspy.context`` a node runs in: its own LM, and the adapter local models need."""
         overrides: dict[str, Any] = {}
-        lm = self._lm_for(node_id)
+        lm = self.lm_for(node_id)
         if lm is not None:
             overrides["lm"] = lm
         if dspy.settings.adapter is None:
@@ -403,11 +433,10 @@ class Workflow(dspy.Module):
             from flowopt.lm.completion_adapter import AutoAdapter
 
             overrides["adapter"] = AutoAdapter()
-        with dspy.context(**overrides):
-            pred = op(**kwargs)
-        return {name: pred[name] for name in op.spec.output_names}
+        return overrides
 
-    def _lm_for(self, node_id: str) -> Any:
+    def lm_for(self, node_id: str) -> Any:
+        """The LM node ``node_id`` runs on (``None``: the ambient one), built on first use when loaded."""
         name = self.node_lms.get(node_id)
         if name is None:
             return None
@@ -423,6 +452,25 @@ class Workflow(dspy.Module):
                     self.lms[name] = lm_from_spec(self.lms[name], name=name)
                 lm = self.lms[name]
         return lm
+
+    # ------------------------------------------------------------------ async
+    async def aforward(self, **inputs: Any) -> dspy.Prediction:
+        """Run the graph on the event loop (``await wf.acall(...)``): independent nodes run concurrently,
+        each through its operator's ``acall``."""
+        from flowopt.graph_async import run_when_ready
+
+        self._check_call_inputs(inputs)
+        values: dict[str, dict[str, Any]] = {INPUT: dict(inputs)}
+
+        async def run_node(node_id: str) -> dict[str, Any]:
+            op, kwargs = self.nodes[node_id], self._node_inputs(node_id, values)
+            with dspy.context(**self._node_overrides(node_id)):
+                pred = await op.acall(**kwargs)
+            values[node_id] = {name: pred[name] for name in op.spec.output_names}
+            return values[node_id]
+
+        await run_when_ready(self._dependencies(self.topological_order()), run_node)
+        return self._program_outputs(values)
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -447,11 +495,32 @@ class Workflow(dspy.Module):
 
         return workflow_from_dict(loads(text))
 
-    def save(self, path: str | Path) -> Path:
-        """Write the workflow JSON atomically (temporary file, then rename)."""
-        from flowopt.io import atomic_write_text
+    def save(self, path: str | Path, save_program: bool = False,
+             modules_to_serialize: Iterable[Any] | None = None) -> Path:
+        """Write the workflow JSON atomically; DSPy's calls work too (see :mod:`flowopt.program_files`):
+        ``save_program=True`` writes a folder that ``flowopt.load`` and ``dspy.load`` both read back."""
+        from flowopt.program_files import save_workflow
 
-        return atomic_write_text(path, self.to_json() + "\n")
+        return save_workflow(self, path, save_program=save_program, modules_to_serialize=modules_to_serialize)
+
+    def load(self, path: str | Path, allow_pickle: bool = False, allow_unsafe_lm_state: bool = False) -> str:
+        """Load a saved program into this workflow, as ``dspy.Module.load`` does, from flowopt's document
+        or DSPy's state format; returns (and logs) which: ``"flowopt.workflow/v1"`` or ``"dspy.state"``."""
+        from flowopt.program_files import load_into
+
+        return load_into(self, path, allow_pickle=allow_pickle, allow_unsafe_lm_state=allow_unsafe_lm_state)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # Pickled (dspy.Module.save(save_program=True), cloudpickle, dspy.load) as its JSON document and a
+        # call that rebuilds it: no code and no locks in the pickle.
+        from flowopt.program_files import workflow_from_program_json
+
+        return workflow_from_program_json, (self.to_json(indent=None),)
+
+    def __copy__(self) -> Workflow:
+        new = self.__class__.__new__(self.__class__)
+        new.__dict__.update(self.__dict__)
+        return new
 
     def canonical_json(self) -> str:
         """Structure, settings, instructions and demos with sorted keys, without ``meta``.

@@ -26,6 +26,8 @@ class ChainOfThought(Operator):
 
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
                  *, temperature: float | None = None) -> None:
+        """``instructions``: the task description given to the LM (default: the signature's own).
+        ``temperature``: sampling temperature in [0, 2] (``None``: the LM's own)."""
         check_settings("ChainOfThought", {"temperature": temperature}, hints=ChainOfThought.__init__,
                        bounds=TEMPERATURE)
         super().__init__(signature, instructions)
@@ -38,3 +40,6 @@ class ChainOfThought(Operator):
 
     def forward(self, **inputs: Any) -> dspy.Prediction:
         return self.cot(**inputs)
+
+    async def aforward(self, **inputs: Any) -> dspy.Prediction:
+        return await self.cot.acall(**inputs)

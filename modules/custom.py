@@ -26,6 +26,9 @@ class Custom(Predict):
 
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
                  *, instruction: str | None = None, temperature: float | None = None) -> None:
+        """``instructions``: the task description given to the LM (default: the signature's own).
+        ``instruction``: a free-form instruction that replaces it. ``temperature``: sampling
+        temperature in [0, 2] (``None``: the LM's own)."""
         check_settings("Custom", {"instruction": instruction, "temperature": temperature},
                        hints=Custom.__init__, bounds=TEMPERATURE)
         text = instruction if instruction is not None else instructions

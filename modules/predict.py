@@ -27,6 +27,8 @@ class Predict(Operator):
 
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
                  *, temperature: float | None = None) -> None:
+        """``instructions``: the task description given to the LM (default: the signature's own).
+        ``temperature``: sampling temperature in [0, 2] (``None``: the LM's own)."""
         check_settings("Predict", {"temperature": temperature}, hints=Predict.__init__, bounds=TEMPERATURE)
         super().__init__(signature, instructions)
         self.temperature = temperature
@@ -40,3 +42,6 @@ class Predict(Operator):
 
     def forward(self, **inputs: Any) -> dspy.Prediction:
         return self.predict(**inputs)
+
+    async def aforward(self, **inputs: Any) -> dspy.Prediction:
+        return await self.predict.acall(**inputs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -44,6 +45,10 @@ class Programmer(Operator):
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec = "question -> answer",
                  instructions: str | None = None, *, timeout_s: float = 5.0, memory_mb: int = 512,
                  max_attempts: int = 2, on_failure: str = "raise") -> None:
+        """``instructions``: the task description given to the LM (default: the signature's own).
+        ``timeout_s``: the sandboxed run's time limit, in (0, 120] seconds;
+        ``memory_mb``: its memory limit (32..16384 MiB); ``max_attempts``: code-writing tries (1..5), each
+        shown the previous error; ``on_failure``: ``"raise"`` or ``"empty"`` (an empty answer)."""
         check_settings("Programmer", {"timeout_s": timeout_s, "memory_mb": memory_mb, "max_attempts": max_attempts,
                                       "on_failure": on_failure}, hints=Programmer.__init__,
                        bounds={"timeout_s": above(0, 120), "memory_mb": between(32, 16384),
@@ -69,16 +74,37 @@ class Programmer(Operator):
                 "max_attempts": self.max_attempts, "on_failure": self.on_failure}
 
     def forward(self, **inputs: Any) -> dspy.Prediction:
-        output = self._spec.outputs[0].name
-        error = ""
+        error, code = "", ""
         for attempt in range(self.max_attempts):
             code = _strip_fences(self.write_code(**inputs, previous_error=error).code)
             result = run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb)
-            lines = [line for line in result.stdout.strip().splitlines() if line.strip()]
-            if result.ok and lines:
-                return dspy.Prediction(**{output: lines[-1].strip()}, code=code)
-            error = ("timed out" if result.timed_out else result.stderr.strip()[-800:]) or "printed nothing"
-            logger.debug("Programmer attempt %d failed: %s", attempt + 1, error)
+            answer, error = self._outcome(code, result, attempt)
+            if answer is not None:
+                return answer
+        return self._failed(code, error)
+
+    async def aforward(self, **inputs: Any) -> dspy.Prediction:
+        error, code = "", ""
+        for attempt in range(self.max_attempts):
+            code = _strip_fences((await self.write_code.acall(**inputs, previous_error=error)).code)
+            # The sandbox is a subprocess: wait for it in a thread, not on the event loop.
+            result = await asyncio.to_thread(run_python, code, timeout_s=self.timeout_s, memory_mb=self.memory_mb)
+            answer, error = self._outcome(code, result, attempt)
+            if answer is not None:
+                return answer
+        return self._failed(code, error)
+
+    def _outcome(self, code: str, result: Any, attempt: int) -> tuple[dspy.Prediction | None, str]:
+        """``(prediction, "")`` when the run printed an answer, else ``(None, what went wrong)``."""
+        lines = [line for line in result.stdout.strip().splitlines() if line.strip()]
+        if result.ok and lines:
+            return dspy.Prediction(**{self._spec.outputs[0].name: lines[-1].strip()}, code=code), ""
+        error = ("timed out" if result.timed_out else result.stderr.strip()[-800:]) or "printed nothing"
+        logger.debug("Programmer attempt %d failed: %s", attempt + 1, error)
+        return None, error
+
+    def _failed(self, code: str, error: str) -> dspy.Prediction:
+        output = self._spec.outputs[0].name
         if self.on_failure == "empty":
             return dspy.Prediction(**{output: ""}, code=code, error=error)
         raise SandboxError(f"Programmer: no attempt of {self.max_attempts} ran successfully; last error: {error}",

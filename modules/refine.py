@@ -29,6 +29,8 @@ class Refine(Operator):
 
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
                  *, max_rounds: int = 1) -> None:
+        """``instructions``: the task description given to the LM (default: the signature's own).
+        ``max_rounds``: review-and-revise rounds after the draft (1..10)."""
         super().__init__(signature, instructions)
         check_settings("Refine", {"max_rounds": max_rounds}, hints=Refine.__init__,
                        bounds={"max_rounds": between(1, 10)})
@@ -56,4 +58,14 @@ class Refine(Operator):
             if review.is_correct is True:
                 break
             current = self.revise(**inputs, attempt=attempt, feedback=review.feedback)
+        return dspy.Prediction(**{name: current[name] for name in self._spec.output_names})
+
+    async def aforward(self, **inputs: Any) -> dspy.Prediction:
+        current = await self.generate.acall(**inputs)
+        for _ in range(self.max_rounds):
+            attempt = render_outputs(self._spec, current)
+            review = await self.review.acall(**inputs, attempt=attempt)
+            if review.is_correct is True:
+                break
+            current = await self.revise.acall(**inputs, attempt=attempt, feedback=review.feedback)
         return dspy.Prediction(**{name: current[name] for name in self._spec.output_names})

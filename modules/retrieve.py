@@ -34,6 +34,9 @@ class Retrieve(Operator):
 
     def __init__(self, signature: str | SignatureSpec | None = None, instructions: str | None = None, *,
                  k: int = 3, corpus: list[str] | None = None) -> None:
+        """``instructions``: the task description given to the LM (default: the signature's own).
+        ``k``: passages returned; ``corpus``: the passages to search (``None``: the
+        example's ``context`` paragraphs)."""
         if signature is None:
             signature = ("question -> passages: list[str]" if corpus is not None
                          else "question, context: list[str] -> passages: list[str]")

@@ -46,6 +46,7 @@ from flowopt.errors import SandboxError
 
 WORKDIR = "/sandbox"
 WORK_FOLDER_BYTES = 64 * 2**20  # the tmpfs the code may write to
+INTERPRETER = "/usr/local/bin/python3"  # inside the sandbox: a link to the host interpreter
 FILE_BYTES = 16 * 2**20  # RLIMIT_FSIZE
 OPEN_FILES = 64  # RLIMIT_NOFILE
 THREADS = 32  # RLIMIT_NPROC: threads only, since new processes are refused by seccomp
@@ -225,7 +226,11 @@ def _interpreter_mounts() -> tuple[tuple[str, ...], str]:
     return tuple(args), python
 
 
-def _command(source_fd: int, *, timeout_s: float, memory_mb: int) -> list[str]:
+def _command(source_fd: int, *, timeout_s: float, memory_mb: int) -> tuple[list[str], list[str]]:
+    """``(options, command)`` for bwrap. The options, which name host folders, reach bwrap through
+    ``--args FD``: bwrap is pid 1 inside the sandbox and its ``/proc/1/cmdline`` is readable there.
+    What stays on the command line (the child's command) names only :data:`INTERPRETER`, a link
+    inside the sandbox."""
     mounts, python = _interpreter_mounts()
     program = _seccomp_program()
     limits = (("RLIMIT_AS", memory_mb * 2**20), ("RLIMIT_CPU", int(timeout_s) + 1),
@@ -233,28 +238,31 @@ def _command(source_fd: int, *, timeout_s: float, memory_mb: int) -> list[str]:
               ("RLIMIT_CORE", 0))
     prelude = _PRELUDE.format(limits=limits, bpf=program.hex(), count=len(program) // 8, failed=_SETUP_FAILED)
     return [
-        _bwrap(),
         "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
         "--unshare-cgroup-try", "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID),
         "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox",
-        *mounts,
+        *mounts, "--symlink", python, INTERPRETER,
         "--proc", "/proc", "--dev", "/dev",
         "--size", str(WORK_FOLDER_BYTES), "--tmpfs", WORKDIR,
         "--file", str(source_fd), f"{WORKDIR}/main.py",
         "--chdir", WORKDIR, "--remount-ro", "/",
-        "--", python, "-I", "-S", "-X", "utf8", "-c", prelude,
-    ]
+    ], [INTERPRETER, "-I", "-S", "-X", "utf8", "-c", prelude]
 
 
 def _run(code: str, *, timeout_s: float, memory_mb: int) -> SandboxResult:
-    with tempfile.TemporaryFile() as source:
+    with tempfile.TemporaryFile() as source, tempfile.TemporaryFile() as arguments:
         source.write(code.encode("utf-8", errors="surrogatepass"))
         source.flush()
         source.seek(0)
-        command = _command(source.fileno(), timeout_s=timeout_s, memory_mb=memory_mb)
+        options, command = _command(source.fileno(), timeout_s=timeout_s, memory_mb=memory_mb)
+        arguments.write(b"".join(arg.encode("utf-8") + b"\0" for arg in options))
+        arguments.flush()
+        arguments.seek(0)
         try:
-            proc = subprocess.Popen(command, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, pass_fds=(source.fileno(),), start_new_session=True)
+            proc = subprocess.Popen(["bwrap", "--args", str(arguments.fileno()), "--", *command],
+                                    executable=_bwrap(), env={},
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    pass_fds=(source.fileno(), arguments.fileno()), start_new_session=True)
         except OSError as err:
             raise SandboxError(f"cannot start bubblewrap for the Programmer sandbox ({err})",
                                fix=_NAMESPACE_FIX) from err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from typing import Any
@@ -42,6 +43,9 @@ class ScEnsemble(Operator):
     def __init__(self, signature: str | type[dspy.Signature] | SignatureSpec, instructions: str | None = None,
                  *, n: int = 5, select: str = "majority", temperature: float = 0.7,
                  vote_field: str | None = None) -> None:
+        """``instructions``: the task description given to the LM (default: the signature's own).
+        ``n``: samples (1..64); ``select``: ``"majority"`` vote or ``"lm"`` selection;
+        ``temperature``: the samples' temperature; ``vote_field``: the output field voted on (default: the first)."""
         check_settings("ScEnsemble", {"n": n, "select": select, "temperature": temperature, "vote_field": vote_field},
                        hints=ScEnsemble.__init__,
                        bounds={"n": between(1, MAX_SAMPLES), "select": one_of(*SELECT_MODES), **TEMPERATURE})
@@ -71,15 +75,27 @@ class ScEnsemble(Operator):
             return self.generate(**inputs, config={"rollout_id": i})
 
         samples = map_in_context(sample, [(i,) for i in range(self.n)], max_workers=self.n)
+        picked = self.selector(**inputs, candidates=self._listing(samples)).best_index if self.select == "lm" else None
+        return self._chosen(samples, picked)
+
+    async def aforward(self, **inputs: Any) -> dspy.Prediction:
+        samples = list(await asyncio.gather(*(self.generate.acall(**inputs, config={"rollout_id": i})
+                                              for i in range(self.n))))
+        picked = None
         if self.select == "lm":
-            listing = "\n\n".join(f"[{i}]\n{render_outputs(self._spec, s)}" for i, s in enumerate(samples))
-            index = self.selector(**inputs, candidates=listing).best_index
-            if not isinstance(index, int) or not 0 <= index < len(samples):
-                logger.info("selector chose %r, outside 0..%d; falling back to majority", index, self.n - 1)
-                index = self._majority_index(samples)
-        else:
-            index = self._majority_index(samples)
-        chosen = samples[index]
+            picked = (await self.selector.acall(**inputs, candidates=self._listing(samples))).best_index
+        return self._chosen(samples, picked)
+
+    def _listing(self, samples: list[dspy.Prediction]) -> str:
+        return "\n\n".join(f"[{i}]\n{render_outputs(self._spec, s)}" for i, s in enumerate(samples))
+
+    def _chosen(self, samples: list[dspy.Prediction], picked: Any) -> dspy.Prediction:
+        """The LM selector's pick if it named a sample (``picked``), else the majority answer."""
+        index = picked
+        if picked is not None and (not isinstance(picked, int) or not 0 <= picked < len(samples)):
+            logger.info("selector chose %r, outside 0..%d; falling back to majority", picked, self.n - 1)
+            index = None
+        chosen = samples[self._majority_index(samples) if index is None else index]
         return dspy.Prediction(**{name: chosen[name] for name in self._spec.output_names})
 
     def _majority_index(self, samples: list[dspy.Prediction]) -> int:

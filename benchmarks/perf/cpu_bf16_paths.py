@@ -49,6 +49,31 @@ def decode_step_ms(local: Any, ids: list[list[int]], repeats: int, tokens: int, 
     return (long - short) / (tokens - 1) * 1000
 
 
+def _page(out: dict[str, Any], r: int, w: int, rows: int, head_rows: int) -> list[str]:
+    """The results page's lines: the float32/bf16 table, the strided-input table, the hook's effect."""
+    d32, d16 = out["decode_step_ms_float32"], out["decode_step_ms_bfloat16"]
+    h32, h16 = out["lm_head_ms_float32"], out["lm_head_ms_bfloat16"]
+    return [
+        f"Native bf16 on this CPU: {out['native_bf16']}. Median of {r} repeats after {w} untimed.", "",
+        *markdown_table(["measurement", "float32", "bf16"], [
+            ["decode step, batch 1 (ms)", d32[1], d16[1]],
+            ["decode step, batch 8 (ms)", d32[8], d16[8]],
+            ["output projection alone, 1 row (ms)", h32[1], h16[1]],
+            ["output projection alone, 8 rows (ms)", h32[8], h16[8]],
+            [f"LoRA training forward + backward, {rows} x 92 tokens (s)",
+             out["lora_train_forward_backward_s_float32"], out["lora_train_forward_backward_s_bfloat16"]],
+        ], align="lrr"), "",
+        f"The strided input (bf16, frozen {head_rows} x 640 weight, an [8, 8, 640] slice of [8, 92, 640]):", "",
+        *markdown_table(["input", "ms"], [
+            ["strided, as transformers passes it", out["lm_head_strided_bf16_frozen_ms"]],
+            ["made contiguous (LocalLM's lm_head pre-hook)", out["lm_head_contiguous_bf16_frozen_ms"]],
+        ], align="lr"), "",
+        f"LoRA training forward + backward in bf16 without the hook: "
+        f"{out['lora_train_forward_backward_s_bfloat16_without_hook']} s (with it: "
+        f"{out['lora_train_forward_backward_s_bfloat16']} s).",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = PerfParser("cpu_bf16_paths", __doc__, smoke=SMOKE)
     parser.add_argument("--repeats", type=int, default=3)
@@ -118,27 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("%s: %.1f s (section %.1f s)", key, out[key], time.perf_counter() - began)
 
     out["native_bf16"] = cpu_has_native_bf16()
-    d32, d16 = out["decode_step_ms_float32"], out["decode_step_ms_bfloat16"]
-    h32, h16 = out["lm_head_ms_float32"], out["lm_head_ms_bfloat16"]
-    body = [
-        f"Native bf16 on this CPU: {out['native_bf16']}. Median of {r} repeats after {w} untimed.", "",
-        *markdown_table(["measurement", "float32", "bf16"], [
-            ["decode step, batch 1 (ms)", d32[1], d16[1]],
-            ["decode step, batch 8 (ms)", d32[8], d16[8]],
-            ["output projection alone, 1 row (ms)", h32[1], h16[1]],
-            ["output projection alone, 8 rows (ms)", h32[8], h16[8]],
-            [f"LoRA training forward + backward, {rows} x 92 tokens (s)",
-             out["lora_train_forward_backward_s_float32"], out["lora_train_forward_backward_s_bfloat16"]],
-        ], align="lrr"), "",
-        f"The strided input (bf16, frozen {args.head_rows} x 640 weight, an [8, 8, 640] slice of [8, 92, 640]):", "",
-        *markdown_table(["input", "ms"], [
-            ["strided, as transformers passes it", out["lm_head_strided_bf16_frozen_ms"]],
-            ["made contiguous (LocalLM's lm_head pre-hook)", out["lm_head_contiguous_bf16_frozen_ms"]],
-        ], align="lr"), "",
-        f"LoRA training forward + backward in bf16 without the hook: "
-        f"{out['lora_train_forward_backward_s_bfloat16_without_hook']} s (with it: "
-        f"{out['lora_train_forward_backward_s_bfloat16']} s).",
-    ]
+    body = _page(out, r, w, rows, args.head_rows)
     run.finish("Gemma 3 270M on this CPU: float32 vs bf16, and the strided lm_head input", out, body)
     return 0
 

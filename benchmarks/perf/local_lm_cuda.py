@@ -65,6 +65,22 @@ def concurrent(fn: Callable[[Any], Any], args: list[Any]) -> list[Any]:
     return [results[i] for i in range(len(args))]
 
 
+def _rows(report: dict[str, Any]) -> list[list[Any]]:
+    """The results table: one row per check."""
+    return [["device / dtype picked automatically", f"`{report['device']}` / `{report['dtype']}`"],
+            ["batch sizes of the last calls (8 concurrent callers at the end)", report["batch_sizes"]],
+            ["greedy, 8 concurrent vs one at a time, fp32", f"{report['greedy_identical_fp32']} / 8 identical"],
+            [f"greedy, 8 concurrent vs one at a time, {report['dtype']}",
+             f"{report['greedy_identical_default_dtype']} / 8 identical"],
+            ["seeded sampling, batched vs alone", f"{report['seeded_alone_vs_batched_identical']} / 4 identical"],
+            ["`token_logprobs(grad=True)` backward into a fresh LoRA",
+             f"{report['lora_grad_params']} LoRA tensors got gradients"],
+            ["reference (`adapter_disabled`) vs generation-time log-probs",
+             f"max abs diff {report['reference_vs_old_max_abs_diff']}"],
+            ["tokens/s, batch 1 (sequential calls)", report["batch1_tokens_per_s"]],
+            ["tokens/s, 8 concurrent callers", f"{report['concurrent8_tokens_per_s']} ({report['speedup_8_vs_1']}x)"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = PerfParser("local_lm_cuda", __doc__, smoke=SMOKE)
     parser.add_argument("--tokens", type=int, default=64)
@@ -129,18 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         report["greedy_identical_fp32"] = sum(a.completion_ids == b.completion_ids for a, b in zip(seq32, conc32))
         fp32.close()
 
-    rows = [["device / dtype picked automatically", f"`{report['device']}` / `{report['dtype']}`"],
-            ["batch sizes of the last calls (8 concurrent callers at the end)", report["batch_sizes"]],
-            ["greedy, 8 concurrent vs one at a time, fp32", f"{report['greedy_identical_fp32']} / 8 identical"],
-            [f"greedy, 8 concurrent vs one at a time, {report['dtype']}",
-             f"{report['greedy_identical_default_dtype']} / 8 identical"],
-            ["seeded sampling, batched vs alone", f"{report['seeded_alone_vs_batched_identical']} / 4 identical"],
-            ["`token_logprobs(grad=True)` backward into a fresh LoRA",
-             f"{report['lora_grad_params']} LoRA tensors got gradients"],
-            ["reference (`adapter_disabled`) vs generation-time log-probs",
-             f"max abs diff {report['reference_vs_old_max_abs_diff']}"],
-            ["tokens/s, batch 1 (sequential calls)", report["batch1_tokens_per_s"]],
-            ["tokens/s, 8 concurrent callers", f"{report['concurrent8_tokens_per_s']} ({report['speedup_8_vs_1']}x)"]]
+    rows = _rows(report)
     body = [f"Model: Gemma 3 270M's shape ({args.layers} layers, width 640, 5:1 sliding/full attention) with "
             "random weights and a 2,048-token BPE vocabulary trained in the script; up to "
             f"{args.tokens} new tokens.", "", *markdown_table(["check", "result"], rows)]

@@ -50,169 +50,43 @@ in separate processes (e.g. one per family). Writes benchmarks/results/structure
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
 import os
 import random
-import re
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("DSPY_CACHEDIR", tempfile.mkdtemp(prefix="flowopt-sim-dspy-"))
 
-import dspy
 
 from flowopt import Workflow
-from flowopt.benchmarks.perf.harness import SCHEMA, Goal, PerfParser, markdown_table, setup_logging, start_run
+from flowopt.benchmarks.perf.harness import SCHEMA, PerfParser, setup_logging, start_run
 from flowopt.benchmarks.perf.structure_families import FAMILIES, Family
-from flowopt.modules import Predict
-from flowopt.optimizers.structure import MCTS, Evaluation, InvalidEdit, RuleProposer, SearchSettings, Vocabulary
+from flowopt.benchmarks.perf.structure_sim_report import METHODS, goals, markdown
+from flowopt.benchmarks.perf.structure_sim_world import (
+    MAX_NODES,
+    VOCABULARY,
+    describe_structure,
+    enumerate_space,
+    expected_accuracy,
+    initial_workflow,
+    validate,
+)
+from flowopt.optimizers.structure import MCTS, Evaluation, RuleProposer, SearchSettings
 from flowopt.optimizers.structure.baselines import hill_climb, random_walk
-from flowopt.optimizers.structure.edits import SELECT_INSTRUCTION, AddProgrammer, AddRefine, RemoveNode
-from flowopt.optimizers.structure.search import SELECTIONS
+from flowopt.optimizers.structure.edits import AddProgrammer, AddRefine, RemoveNode
+from flowopt.optimizers.structure.search_settings import SELECTIONS
 from flowopt.optimizers.structure.tree import ir_key
-from flowopt.testing import ScriptedEngine, ScriptedRequest
 
 logger = logging.getLogger("structure_search_sim")
 
-KINDS = ("arith", "word")
-P_ANSWER = {"Predict": {"arith": 0.30, "word": 0.45}, "ChainOfThought": {"arith": 0.55, "word": 0.65}}
-P_CODE = {"arith": 0.95, "word": 0.35}
-P_SELECT_SLIP = 0.03
-P_CATCH, P_FIX, P_FALSE_ALARM, P_BREAK, P_FIXABLE = 0.7, 0.6, 0.08, 0.5, 0.5
-MAX_NODES = 5
-VOCABULARY = Vocabulary(kinds=("swap_operator", "wrap_ensemble", "add_refine", "add_programmer", "remove_node",
-                               "set_config"), ensemble_sizes=(3, 5, 7, 9), refine_rounds=(1, 2, 3, 4),
-                        max_nodes=MAX_NODES)
-METHODS = ("search", "random_walk", "hill_climb")
-
-
-# ------------------------------------------------------------------------------------ the model
-def majority(n: int, p: float) -> float:
-    """P(a majority vote of n independent binary samples, each right with p, is right); ties: 1/2."""
-    return sum(math.comb(n, k) * p**k * (1 - p) ** (n - k) * (1.0 if 2 * k > n else 0.5 if 2 * k == n else 0.0)
-               for k in range(n + 1))
-
-
-def refine(p: float, rounds: int, fixable: bool) -> float:
-    """P(correct) after Refine(max_rounds=rounds) on an answer that is correct with probability p."""
-    fix = P_FIX if fixable else 0.0
-    right, wrong, done = p, 1.0 - p, 0.0
-    for _ in range(rounds):
-        done += right * (1 - P_FALSE_ALARM)  # accepted as correct: stop
-        right, wrong = (right * P_FALSE_ALARM * (1 - P_BREAK) + wrong * P_CATCH * fix,
-                        right * P_FALSE_ALARM * P_BREAK + wrong * P_CATCH * (1 - fix))
-    return done + right
-
-
-def expected_accuracy(ir: dict[str, Any]) -> float:
-    """Exact expected accuracy of a workflow (IR data) under the fake LM's rules, over both kinds.
-
-    Every node's answer depends on one upstream answer plus fresh coins, except for two facts fixed
-    per question: whether the program (the same for every Programmer node) is right, and whether the
-    question is fixable by revision. Conditioning on both makes everything else independent.
-    """
-    nodes = {n["id"]: n for n in ir["nodes"]}
-    sources = {(e["dst"], d): e["src"] for e in ir["edges"] for d in e["map"].values()}
-
-    def p(node_id: str, kind: str, code_ok: bool, fixable: bool) -> float:
-        node = nodes[node_id]
-        op, config = node["op"], node["config"]
-        if op in P_ANSWER:
-            return P_ANSWER[op][kind]
-        if op == "ScEnsemble":
-            return majority(config["n"], P_ANSWER["ChainOfThought"][kind])
-        if op == "Programmer":
-            return 1.0 if code_ok else 0.0
-        if op == "Refine":
-            return refine(p(sources[(node_id, "draft_answer")], kind, code_ok, fixable), config["max_rounds"], fixable)
-        if op == "Custom" and node["signature"]["instructions"] == SELECT_INSTRUCTION:
-            cand = p(sources[(node_id, "candidate_answer")], kind, code_ok, fixable)
-            prog = p(sources[(node_id, "program_answer")], kind, code_ok, fixable)
-            first, second = (prog, cand) if kind == "arith" else (cand, prog)
-            return (1 - P_SELECT_SLIP) * first + P_SELECT_SLIP * second
-        raise ValueError(f"the model has no rule for node {node_id} ({op})")
-
-    out = sources[("$output", "answer")]
-    return sum(0.5 * pc * pf * p(out, k, code_ok, fixable)
-               for k in KINDS for code_ok, pc in ((True, P_CODE[k]), (False, 1 - P_CODE[k]))
-               for fixable, pf in ((True, P_FIXABLE), (False, 1 - P_FIXABLE)))
-
-
-def structure_signature(ir: dict[str, Any]) -> str:
-    """The workflow's computation with node ids left out: two workflows that differ only in the names
-    of their nodes get the same signature (they score the same)."""
-    nodes = {n["id"]: n for n in ir["nodes"]}
-    inputs: dict[str, list[tuple[str, str]]] = defaultdict(list)
-    for e in ir["edges"]:
-        for src_field, dst_field in e["map"].items():
-            inputs[e["dst"]].append((dst_field, f"{src_field}@{e['src']}"))
-
-    def sig(node_id: str) -> str:
-        if node_id == "$input":
-            return "$input"
-        node = nodes.get(node_id, {"op": node_id, "config": {}, "signature": {}})
-        feeds = sorted(f"{dst}<-{src.split('@')[0]}@{sig(src.split('@')[1])}" for dst, src in inputs[node_id])
-        return f"{node['op']}{json.dumps(node['config'], sort_keys=True)}[{';'.join(feeds)}]"
-
-    return sig("$output")
-
-
-def initial_workflow() -> Workflow:
-    return Workflow("question -> answer", name="sim").add("solve", Predict("question -> answer"))
-
-
-def describe_structure(ir: dict[str, Any]) -> str:
-    ops = [f"{n['id']}:{n['op']}" + "".join(f" {k}={n['config'][k]}" for k in ("n", "max_rounds") if k in n["config"])
-           for n in ir["nodes"]]
-    return ", ".join(ops)
-
-
-# ----------------------------------------------------------------------- the space, enumerated
-def enumerate_space(vocabulary: Vocabulary, start: Workflow | None = None) -> dict[str, dict[str, Any]]:
-    """Every workflow reachable from ``start`` (default: the initial one): key -> {"ir", "depth", "path"}
-    (breadth first; depth is the fewest edits from ``start``).
-
-    Edits are applied to IR data (:meth:`Edit.apply_ir`); each distinct edited graph is built and
-    validated (:meth:`Edit.build`, ``Workflow.from_dict``) once, however many paths reach it.
-    """
-    first = start or initial_workflow()
-    first_ir = first.to_dict()
-    space = {ir_key(first_ir): {"ir": first_ir, "depth": 0, "path": []}}
-    built: set[str] = set()  # edited graphs (keys of the edit's raw data) already built, valid or not
-    frontier: list[tuple[Workflow, dict[str, Any], list[str]]] = [(first, first_ir, [])]
-    while frontier:
-        nxt = []
-        for wf, ir, path in frontier:
-            for edit in vocabulary.candidates(wf):
-                try:
-                    data = edit.apply_ir(ir)
-                    raw = ir_key(data)
-                    if raw in built or len(data["nodes"]) > vocabulary.max_nodes:
-                        continue
-                    built.add(raw)
-                    new = edit.build(wf, data)
-                except InvalidEdit:
-                    continue
-                new_ir = new.to_dict()
-                key = ir_key(new_ir)
-                if key not in space:
-                    space[key] = {"ir": new_ir, "depth": len(path) + 1, "path": [*path, edit.describe()]}
-                    nxt.append((new, new_ir, space[key]["path"]))
-        frontier = nxt
-        logger.info("space: %d workflows (frontier %d)", len(space), len(frontier))
-    logger.info("space closed: %d workflows", len(space))
-    return space
 
 
 # ------------------------------------------------------------------------- shared evaluator
@@ -317,116 +191,6 @@ def _score_of(value: Evaluation | float) -> float:
     return value.score if isinstance(value, Evaluation) else float(value)
 
 
-# ------------------------------------------------------------------ the fake LM, for validation
-class SimWorld:
-    """The fake LM of one evaluation: gold answers, and coins seeded by (call, question, k-th identical call)."""
-
-    def __init__(self, examples: list[dspy.Example]) -> None:
-        self.gold = {ex.question: int(ex.answer) for ex in examples}
-        self._counts: dict[str, int] = defaultdict(int)
-        self._lock = threading.Lock()
-
-    def coin(self, p: float, req: ScriptedRequest, *parts: Any) -> bool:
-        # The k-th identical request in one evaluation is sample k (the engine never sees rollout ids).
-        with self._lock:
-            index = self._counts[req.prompt]
-            self._counts[req.prompt] += 1
-        digest = hashlib.sha256("|".join(map(str, (*parts, req.prompt, index))).encode()).digest()
-        return int.from_bytes(digest[:8], "big") / 2**64 < p
-
-    def answer(self, req: ScriptedRequest) -> dict[str, Any]:
-        ins, outs = req.inputs, req.output_fields
-        q = ins.get("question", "")
-        kind = "arith" if q.startswith("[arith]") else "word"
-        gold = self.gold.get(q, 0)
-        if "is_correct" in outs:  # Refine reviewer
-            right = _number(ins.get("attempt", "")) == gold
-            flags = self.coin(P_FALSE_ALARM if right else P_CATCH, req, "review")
-            return {"feedback": "recheck the arithmetic" if flags else "looks right", "is_correct": not flags}
-        if "feedback" in ins:  # Refine revision of a flagged attempt
-            attempt = _number(ins.get("attempt", ""))
-            fixable = _hash_coin(P_FIXABLE, "fixable", q)
-            ok = (not self.coin(P_BREAK, req, "break")) if attempt == gold else (
-                fixable and self.coin(P_FIX, req, "fix"))
-            return {"reasoning": "revised", "answer": str(gold if ok else gold + 1)}
-        if "code" in outs:  # Programmer: one program per question (same prompt, temperature 0)
-            ok = _hash_coin(P_CODE[kind], "code", q)
-            return {"reasoning": "compute it", "code": f"print({gold if ok else gold + 2})"}
-        if "draft_answer" in ins:  # Refine's first draft keeps the upstream answer
-            return {"reasoning": "start from the draft", "answer": ins["draft_answer"]}
-        if "program_answer" in ins:  # the selector
-            program, candidate = ins["program_answer"].strip(), ins.get("candidate_answer", "")
-            first, second = (program, candidate) if kind == "arith" and program else (candidate, program)
-            return {"answer": second if second and self.coin(P_SELECT_SLIP, req, "slip") else first}
-        op = "ChainOfThought" if "reasoning" in outs else "Predict"
-        ok = self.coin(P_ANSWER[op][kind], req, op) if (req.temperature or 0) > 0 else _hash_coin(
-            P_ANSWER[op][kind], op, q)
-        return {**({"reasoning": "steps"} if op == "ChainOfThought" else {}), "answer": str(gold if ok else gold + 1)}
-
-
-def _hash_coin(p: float, *parts: Any) -> bool:
-    digest = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < p
-
-
-def _number(text: str) -> int | None:
-    found = re.findall(r"-?\d+", str(text))
-    return int(found[-1]) if found else None
-
-
-def make_examples(n: int) -> list[dspy.Example]:
-    out = []
-    for i in range(n):
-        a, b, c = 17 + 7 * i, 3 + (5 * i) % 11, 2 + i % 9
-        if i % 2 == 0:
-            q, gold = f"[arith] Compute {a} * {b} + {c}.", a * b + c
-        else:
-            q, gold = f"[word] Ann packs {b} boxes of {a} apples and eats {c}. How many are left? (#{i})", a * b - c
-        out.append(dspy.Example(question=q, answer=str(gold)).with_inputs("question"))
-    return out
-
-
-def run_through_dspy(workflow: Workflow, examples: list[dspy.Example], threads: int = 8) -> float:
-    """Accuracy of ``workflow`` on ``examples`` with the fake LM, through DSPy and the real operators."""
-    world = SimWorld(examples)
-    lm = dspy.LM("scripted/sim", engine=ScriptedEngine(world.answer), cache=False)
-
-    def one(ex: dspy.Example) -> float:
-        with dspy.context(lm=lm):
-            try:
-                pred = workflow(**ex.inputs())
-            except Exception as err:  # a failed parse scores as a failure, as in compile()
-                logger.debug("example failed: %s", err)
-                return 0.0
-        return float(_number(pred.answer) == int(ex.answer))
-
-    with ThreadPoolExecutor(threads) as pool:
-        scores = list(pool.map(one, examples))
-    return sum(scores) / len(scores)
-
-
-def validate(space: dict[str, dict[str, Any]], best_key: str, n_examples: int) -> list[dict[str, Any]]:
-    """Run a few workflows (initial, best, and some on the way) through DSPy; compare with the model."""
-    chosen = [next(iter(space)), best_key]
-    path = space[best_key]["path"]
-    wf = initial_workflow()
-    proposer = RuleProposer(VOCABULARY)
-    for step in path[:-1]:
-        wf = next(new for edit, new in proposer.valid_edits(wf) if edit.describe() == step)
-        chosen.insert(-1, ir_key(wf.to_dict()))
-    examples = make_examples(n_examples)
-    rows = []
-    for key in dict.fromkeys(chosen):
-        ir = space[key]["ir"]
-        model = expected_accuracy(ir)
-        measured = run_through_dspy(Workflow.from_dict(ir), examples)
-        se = math.sqrt(model * (1 - model) / n_examples)
-        rows.append({"structure": describe_structure(ir), "model": round(model, 4), "dspy_run": round(measured, 4),
-                     "z": round((measured - model) / se, 2) if se else 0.0})
-        logger.info("validation: %s", rows[-1])
-    return rows
-
-
 # ------------------------------------------------------------------------------------------ main
 def lm_calls(ir: dict[str, Any]) -> float:
     """LM calls per question of a workflow of the simulated task (Refine: a review and a revision a round)."""
@@ -500,10 +264,8 @@ SMOKE = {"seeds": 2, "families": ["deceptive"], "max_evals": 25}
 # The goals of issue 12, per family: the search returns the optimum in >= 90% of seeds, is no worse than
 # hill climbing by more than 20% and takes <= 0.5x the random walk's evaluations where the landscape is
 # deceptive or large; under noise the true score is inside the reported 95% interval in >= 90% of seeds.
-RANDOM_WALK_GOAL = ("deceptive", "additive")
 # Seeds looked at while the noise handling (the finals' race, 60 explored candidates) was designed; the
 # committed noisy results use other seeds.
-DESIGN_SEEDS = {"noisy": "0-119 (19/20 on 0-19 and 93/100 on 20-119 with these settings)."}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -615,110 +377,10 @@ def _part_from_log(path: Path) -> dict[str, Any]:
             "command": f"(the runs logged in {path.name} by a process stopped before it finished)"}
 
 
-def _goals(families: dict[str, Any]) -> list[Goal]:
-    goals = []
-    for name, fam in families.items():
-        summ = fam["summary"]
-        if "search" not in summ:
-            continue
-        search = summ["search"]
-        goals.append(Goal.at_least(f"{name}: share of seeds the search returns the optimum",
-                                   round(search["returned_optimum"] / search["runs"], 3), 0.9))
-        ran = {m: summ[m]["runs"] for m in METHODS if m in summ}
-        goals.append(Goal.at_least(f"{name}: seeds of the method with fewest ({min(ran, key=ran.__getitem__)})",
-                                   min(ran.values()), 20))
-        if "search_over_hill_climb" in summ:
-            goals.append(Goal.at_most(f"{name}: search / hill climbing, median evals to optimum",
-                                      summ["search_over_hill_climb"], 1.2))
-        if name in RANDOM_WALK_GOAL and "search_over_random_walk" in summ:
-            goals.append(Goal.at_most(f"{name}: search / random walk, median evals to optimum",
-                                      summ["search_over_random_walk"], 0.5))
-        if fam.get("settings", {}).get("final_top") and "covered" in search:
-            goals.append(Goal.at_least(f"{name}: true score inside the reported 95% interval",
-                                       round(search["covered"] / search["runs"], 3), 0.9))
-    return goals
-
-
 def _finish(run: Any, families: dict[str, Any], space: dict[str, Any], parts: list[dict[str, Any]]) -> None:
     results = {"families": families, "space": space, "parts": parts}
-    run.finish("Structure search on simulated landscapes (issue 12)", results, _markdown(results),
-               goals=_goals(families))
-
-
-def _markdown(data: dict[str, Any]) -> list[str]:
-    lines = []
-    for part in data["parts"]:
-        load = part["load_average"]
-        lines.append(f"- part `{part['command']}`: " + (f"load average {load['before']} before, {load['after']} "
-                                                          f"after, {part['wall_s']} s" if load["before"] else
-                                                          "its load was not recorded (see the load of this merge)"))
-    if data["parts"]:
-        lines.append("")
-    lines += [
-        "Counts, not times, are the result. Methods, side by side on every family and seed, from the same "
-        "start with the same rule proposer and one shared evaluation function: `search` = `MCTS` with the "
-        "stage's defaults (selection `auto`: an iterated local search, a first-improvement climb, and at a local "
-        "optimum a restart from a random open workflow nearest the best one; on the noisy family `confirm=3` (a "
-        "node is measured 3 times before it is expanded, so `auto` searches best-first: the highest upper 95% "
-        "bound), at most 60 new candidates explored, and the rest of the budget a race of the 10 leaders on "
-        "fresh samples (3 measurements each, then the leader against its strongest challenger, ranked by all "
-        "of a finalist's measurements, the interval from the fresh ones alone); on "
-        "the cost family `objective=\"penalised\"`); `random_walk` = a uniformly random valid edit at each step; "
-        "`hill_climb` = steepest ascent with random restarts. An evaluation is one evaluator call (the search's "
-        "final re-measurements included). Deterministic families stop a run once the optimum is scored (the "
-        "best scored is what every method returns, so from then on it is returned); a run that never scores "
-        "it counts as its budget + 1 evaluations (so a median above the budget means fewer than half the runs "
-        "found it, and a ratio to it is an upper bound).",
-        "",
-    ]
-    if data["space"]:
-        sp = data["space"]
-        lines += [f"Needle/cost space: **{sp['size']} workflows** reachable from `Predict` with at most {MAX_NODES} "
-                  f"nodes (enumerated; workflows by edits from `Predict`: {sp['depth_histogram']}).", ""]
-    for name, fam in data["families"].items():
-        summ = fam["summary"]
-        start = fam.get("start") or describe_structure(ALL_FAMILIES[name]().start().to_dict())
-        deep = (f" ({fam['optimal_workflows']} optimal workflows, the nearest {fam['optimal_depth']} edits from "
-                f"the start `{start}`: `{fam['optimal_structure']}`; runner-up {fam['runner_up']})"
-                if "optimal_depth" in fam else "")
-        optimum = "not recorded (its process was stopped before it wrote its results)" if fam["optimum"] is None \
-            else round(fam["optimum"], 6)
-        seeds = sorted({r["seed"] for r in fam["runs"]})
-        design = (f" The search's settings for this family were chosen on seeds {DESIGN_SEEDS[name]}"
-                  if name in DESIGN_SEEDS else "")
-        lines += [f"## {name}", "", f"{fam['description']}. Budget {fam['max_evals']} evaluations; optimum "
-                  f"{optimum}{deep}. Seeds {_seed_ranges(seeds)}.{design}", ""]
-        costs = any("median_lm_calls" in m for m in summ.values() if isinstance(m, dict))
-        rows = []
-        for method in [m for m in METHODS if m in summ]:
-            m = summ[method]
-            rows.append([method, m.get("budget", fam["max_evals"]), f"{m['scored_optimum']}/{m['runs']}",
-                         f"{m['returned_optimum']}/{m['runs']}", m["median_evals_to_optimum"],
-                         m["mean_returned_true"], m["median_evaluations"]] + ([m["median_lm_calls"]] if costs else []))
-        lines += markdown_table(["method", "budget", "scored the optimum", "returned it", "median evals to optimum",
-                                 "mean true score returned", "median evaluations used"]
-                                + (["median LM calls"] if costs else []), rows, align="lrrrrrr" + "r" * costs)
-        if "search_over_random_walk" in summ:
-            lines += ["", f"search / random walk median evals to optimum: **{summ['search_over_random_walk']}**; "
-                          f"search / hill climbing: **{summ['search_over_hill_climb']}**."]
-        if fam.get("settings", {}).get("final_top") and "search" in summ:
-            s = summ["search"]
-            lines += ["", f"Returned workflow's true score inside its reported 95% interval (from the "
-                          f"re-measurement on fresh samples): **{s['covered']}/{s['runs']}**; median re-measured "
-                          f"minus true {s['median_measured_minus_true']}."]
-        lines.append("")
-    return lines
-
-
-def _seed_ranges(seeds: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    spans: list[list[int]] = []
-    for seed in seeds:
-        if spans and seed == spans[-1][1] + 1:
-            spans[-1][1] = seed
-        else:
-            spans.append([seed, seed])
-    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
+    run.finish("Structure search on simulated landscapes (issue 12)", results, markdown(results, ALL_FAMILIES),
+               goals=goals(families))
 
 
 if __name__ == "__main__":

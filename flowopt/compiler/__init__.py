@@ -7,7 +7,7 @@ this package never imports ``flowopt.optimizers``.
 from flowopt.compiler.budget import Budget, BudgetStop, BudgetTracker, Usage
 from flowopt.compiler.checkpoint import clone_program, program_from_data, program_to_data, saved_output
 from flowopt.compiler.compile import compile
-from flowopt.compiler.context import StageContext
+from flowopt.compiler.context import StageContext, StageOutcome
 from flowopt.compiler.evaluate import EvalResult, Evaluator, confidence_interval
 from flowopt.compiler.report import CompileReport, StageReport
 from flowopt.compiler.stage import Stage
@@ -22,6 +22,7 @@ __all__ = [
     "Evaluator",
     "Stage",
     "StageContext",
+    "StageOutcome",
     "StageReport",
     "Usage",
     "clone_program",

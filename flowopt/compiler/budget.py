@@ -14,21 +14,28 @@ Cache hits are the calls that returned minus the real ones: they are free and co
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from flowopt.errors import BudgetExhausted, ConfigError
+from flowopt.compiler.dspy_hooks import BudgetCallback, HistoryRecorder, UsageForwarder
+from flowopt.errors import BudgetExhausted
+from flowopt.settings import at_least, check_stage
 
 LIMITS = ("max_lm_calls", "max_tokens", "max_cost_usd", "max_wall_s")
+
+
+INTERRUPTED = "interrupted"  # the pseudo-limit a stop request (SIGINT, SIGTERM) reads as
 
 
 @dataclass(frozen=True)
 class Budget:
     """Limits shared by every stage of one ``compile()`` call; ``None`` means unlimited.
+
+    ``max_lm_calls`` and ``max_tokens`` are whole numbers; ``max_cost_usd`` (dollars) and
+    ``max_wall_s`` (seconds) any finite number >= 0.
 
     Example:
         >>> from flowopt import Budget
@@ -42,16 +49,7 @@ class Budget:
     max_wall_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in LIMITS:
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-                raise ConfigError(f"Budget {name} must be a number >= 0 or None, got {value!r}",
-                                  fix=f"pass {name}=100 (or leave it out for no limit)")
-            if name in ("max_lm_calls", "max_tokens") and int(value) != value:
-                raise ConfigError(f"Budget {name} must be a whole number, got {value!r}",
-                                  fix=f"pass {name}={int(value)}")
+        check_stage(self, {name: at_least(0) for name in LIMITS})  # NaN and infinity are refused too
 
     def limits(self) -> dict[str, float]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -121,6 +119,7 @@ class BudgetTracker:
         self._in_flight = 0
         self._started = time.monotonic()
         self._callback: Any = None
+        self._stop_reason: str | None = None
 
     # ------------------------------------------------------------------ public
     def usage(self) -> dict[str, Any]:
@@ -142,6 +141,17 @@ class BudgetTracker:
             limit = self._exhausted_locked(pending=0)
             if limit is not None:
                 raise self._error(limit, pending=0)
+
+    def request_stop(self, reason: str) -> None:
+        """Refuse every later LM call as a reached limit named ``"interrupted"``, so stages stop at their next
+        LM call as they do on an exhausted budget (their checkpoints written). Takes no lock: a signal
+        handler calls it, possibly while this thread holds the tracker's lock."""
+        self._stop_reason = reason
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why :meth:`request_stop` was called (e.g. ``"SIGTERM"``), or ``None``."""
+        return self._stop_reason
 
     def remaining_calls(self) -> int | None:
         if self.budget.max_lm_calls is None:
@@ -166,8 +176,6 @@ class BudgetTracker:
         """
         import dspy
 
-        from flowopt.compiler._dspy_hooks import BudgetCallback, HistoryRecorder, UsageForwarder
-
         settings = dspy.settings
         callback = BudgetCallback(self)
         previous = list(settings.get("callbacks", None) or [])
@@ -179,20 +187,23 @@ class BudgetTracker:
             yield self
 
     # ------------------------------------------------------------------ hooks (called by DSPy)
-    def _before_call(self) -> None:
+    def before_call(self) -> None:
+        """An LM call is about to be sent: refuse it (:class:`BudgetStop`) when a limit is reached."""
         with self._lock:
             limit = self._exhausted_locked(pending=self._in_flight)
             if limit is not None:
                 raise BudgetStop(self._error(limit, pending=self._in_flight))
             self._in_flight += 1
 
-    def _after_call(self, ok: bool) -> None:
+    def after_call(self, ok: bool) -> None:
+        """An LM call returned (``ok``) or failed."""
         with self._lock:
             self._in_flight = max(0, self._in_flight - 1)
             if ok:
                 self._returned += 1
 
-    def _add_real(self, usage: dict[str, Any]) -> None:
+    def add_real(self, usage: dict[str, Any]) -> None:
+        """A call that reached the model (not DSPy's cache), with its token usage."""
         tokens = usage.get("total_tokens")
         if not isinstance(tokens, int | float):
             tokens = (usage.get("prompt_tokens") or 0) + (usage.get("completion_tokens") or 0)
@@ -200,13 +211,16 @@ class BudgetTracker:
             self._calls += 1
             self._tokens += int(tokens or 0)
 
-    def _add_cost(self, cost: float) -> None:
+    def add_cost(self, cost: float) -> None:
+        """The dollar cost of a real call."""
         with self._lock:
             self._cost += float(cost)
 
     # ------------------------------------------------------------------ internals
     def _exhausted_locked(self, *, pending: int) -> str | None:
         b = self.budget
+        if self._stop_reason is not None:
+            return INTERRUPTED
         if b.max_lm_calls is not None and self._calls + pending >= b.max_lm_calls:
             return "max_lm_calls"
         if b.max_tokens is not None and self._tokens >= b.max_tokens:
@@ -218,6 +232,8 @@ class BudgetTracker:
         return None
 
     def _error(self, limit: str, *, pending: int) -> BudgetExhausted:
+        if limit == INTERRUPTED:
+            return BudgetExhausted(INTERRUPTED, used=self._calls + pending, allowed=self._calls + pending)
         used = {"max_lm_calls": self._calls + pending, "max_tokens": self._tokens, "max_cost_usd": self._cost,
                 "max_wall_s": time.monotonic() - self._started}[limit]
         return BudgetExhausted(limit, used=used, allowed=getattr(self.budget, limit))

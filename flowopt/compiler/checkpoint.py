@@ -27,6 +27,8 @@ from typing import Any
 from flowopt.compiler.integrity import read_sealed, seal
 from flowopt.errors import ConfigError, FlowoptError
 from flowopt.io import atomic_write_json
+from flowopt.lm_spec import LoadedLMSpec, lm_from_spec, lm_to_spec, refuse_loaded_endpoints
+from flowopt.workflow import Workflow
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +66,6 @@ def program_to_data(program: Any) -> dict[str, Any]:
     for entry in state.values():
         if isinstance(entry, dict):
             entry.pop("lm", None)
-    from flowopt.lm_spec import lm_to_spec
-
     configs, lms = {}, {}
     for name, predictor in program.named_predictors():
         config = {k: v for k, v in dict(getattr(predictor, "config", {}) or {}).items() if _is_json(v)}
@@ -84,9 +84,6 @@ def program_to_data(program: Any) -> dict[str, Any]:
 def program_from_data(data: dict[str, Any], base: Any) -> Any:
     """Rebuild a program saved by :func:`program_to_data`, taking LM clients from ``base``."""
     if data.get("kind") == "workflow":
-        from flowopt.lm_spec import refuse_loaded_endpoints
-        from flowopt.workflow import Workflow
-
         wf = Workflow.from_dict(data["workflow"])
         if _is_workflow(base):
             for name, lm in base.lms.items():
@@ -107,45 +104,19 @@ def program_from_data(data: dict[str, Any], base: Any) -> Any:
 
 
 def _bind_base_lm(saved: Any, base_lm: Any, weights: Any) -> Any:
-    """The LM a saved workflow's ``lms`` entry runs on when the caller's program binds ``base_lm`` to it.
-
-    The caller's LM wins (a checkpoint in a shared run folder cannot redirect it), with one exception: an
-    entry that differs from ``base_lm``'s LocalLM only in its adapter is a weights stage's output (GRPO
-    trained from the fine-tuned program), so it runs on that same LocalLM with the saved adapter, checked
-    against the sha256 the program recorded; binding the caller's LM would run the input's weights. When
-    the caller's entry is itself a description (a loaded program), such an entry keeps its own.
-    """
-    from flowopt.lm.pinned import saved_adapter_lm
-    from flowopt.lm.shared import local_of
-    from flowopt.lm_spec import lm_to_spec
-
+    """The LM a saved workflow's ``lms`` entry runs on when the caller's program binds ``base_lm`` to it
+    (an entry a weights stage wrote runs on the caller's local model with its adapter: see
+    :func:`flowopt.lm.pinned.bind_saved_adapter`)."""
     if not isinstance(saved, dict) or not saved.get("adapter"):
-        return base_lm
-    if isinstance(base_lm, dict):  # not built yet: it is built from whichever description is kept
-        return saved if _only_adapter_differs(base_lm, saved) else base_lm
-    local = local_of(base_lm)
-    if local is None:
-        return base_lm
-    try:
-        current = lm_to_spec(base_lm)
-    except FlowoptError:
-        return base_lm  # the base LM cannot be described, so nothing shows the entry is another one
-    if not _only_adapter_differs(current, saved):
-        return base_lm
-    recorded = weights.get("sha256") if isinstance(weights, dict) else None
-    return saved_adapter_lm(local, saved["adapter"], sha256=recorded)
+        return base_lm  # no adapter: the caller's LM wins, and no local runtime is needed to say so
+    from flowopt.lm.pinned import bind_saved_adapter  # imports torch: only for a saved adapter
 
-
-def _only_adapter_differs(first: dict[str, Any], second: dict[str, Any]) -> bool:
-    return (first.get("adapter") != second.get("adapter")
-            and {**first, "adapter": None} == {**second, "adapter": None})
+    return bind_saved_adapter(saved, base_lm, weights)
 
 
 def _restore_lm(spec: dict[str, Any] | None, base_lm: Any, *, name: str) -> Any:
     """The LM a saved predictor ran with: ``base_lm`` when it is the one described (it keeps its client,
     keys and cache), else a new LM built from the description."""
-    from flowopt.lm_spec import LoadedLMSpec, lm_from_spec, lm_to_spec
-
     if spec is None:
         return base_lm
     if base_lm is not None:

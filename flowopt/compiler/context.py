@@ -17,22 +17,46 @@ logger = logging.getLogger("flowopt.compiler")
 
 
 @dataclass
+class StageOutcome:
+    """What a stage says about its own run, typed: the compiler puts it in the stage's report row.
+
+    ``candidates_tried``: programs the stage scored (the report's "candidates" column);
+    ``stop_reason``: why it stopped (``"done"`` when unset; ``"budget: max_lm_calls"`` when the budget
+    stopped it); ``best_candidate``: the number of the candidate it returned, for stages that number them.
+
+    Example:
+        >>> StageOutcome(candidates_tried=3, stop_reason="budget: max_lm_calls").stop_reason
+        'budget: max_lm_calls'
+    """
+
+    candidates_tried: int | None = None
+    stop_reason: str | None = None
+    best_candidate: int | None = None
+
+
+#: The facts ``StageContext.record`` routes into :class:`StageOutcome` instead of ``info``.
+OUTCOME_FIELDS = ("candidates_tried", "stop_reason", "best_candidate")
+
+
+@dataclass
 class StageContext:
     """The shared compile state handed to :meth:`Stage.run`.
 
     ``budget`` is shared by all stages; ``rng`` is seeded per stage from ``seed``; ``run_dir`` is the
     stage's own folder (``None`` when compiling without a run folder); ``resume`` says whether the
     stage should pick up its checkpoints. ``shared`` is an in-process dict that stages may use to
-    hand artefacts to later stages (e.g. the bootstrapped demo pool); it is not persisted.
+    hand artefacts to later stages (e.g. the bootstrapped demo pool); it is not persisted. A stage
+    says how its run went in ``outcome`` (a :class:`StageOutcome`) and adds any other JSON-able facts
+    to ``info`` (:meth:`record`); both go into its report row.
 
     Example:
         >>> import random
         >>> from flowopt.compiler import BudgetTracker, StageContext
         >>> ctx = StageContext(trainset=[], valset=[], metric=lambda ex, pred, trace=None: 1.0,
         ...                    budget=BudgetTracker(), seed=0, rng=random.Random(0))
-        >>> ctx.record(candidates_tried=3)
-        >>> ctx.info
-        {'candidates_tried': 3}
+        >>> ctx.record(candidates_tried=3, pruned=1)
+        >>> ctx.outcome.candidates_tried, ctx.info
+        (3, {'pruned': 1})
     """
 
     trainset: list[Any]
@@ -50,6 +74,7 @@ class StageContext:
     shared: dict[str, Any] = field(default_factory=dict)
     evaluator: Evaluator | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    outcome: StageOutcome = field(default_factory=StageOutcome)
 
     def __post_init__(self) -> None:
         if self.evaluator is None:
@@ -71,7 +96,11 @@ class StageContext:
             return self.evaluator.evaluate_many(jobs, desc=desc, max_errors=max_errors)
 
     def record(self, **info: Any) -> None:
-        """Add JSON-able facts to this stage's report entry (``candidates_tried``, ``stop_reason``...)."""
+        """Add JSON-able facts to this stage's report entry; ``candidates_tried``, ``stop_reason`` and
+        ``best_candidate`` set the typed :attr:`outcome`, the rest go to :attr:`info`."""
+        for name in OUTCOME_FIELDS:
+            if name in info:
+                setattr(self.outcome, name, info.pop(name))
         self.info.update(info)
 
     def save_checkpoint(self, name: str, data: dict[str, Any]) -> None:

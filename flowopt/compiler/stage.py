@@ -1,25 +1,32 @@
 """The stage interface: one object, one method, settings in a frozen dataclass.
 
 A stage improves a program: ``run(program, ctx)`` gets the best program so far (a private copy it may
-change) and returns a program. Settings are the fields of a frozen dataclass whose
-``__post_init__`` raises :class:`~flowopt.errors.ConfigError` saying how to fix a bad value; the
-simplest way is to make the stage class itself that dataclass::
+change) and returns a program. Settings are the fields of a frozen dataclass, checked in
+``__post_init__`` by :func:`~flowopt.settings.check_stage`: the types come from the annotations, the
+bounds are declared beside them, and a bad value raises :class:`~flowopt.errors.ConfigError` naming
+the setting and the fix. The simplest way is to make the stage class itself that dataclass::
 
     @dataclass(frozen=True)
     class MyStage(Stage):
+        # What it does, and an example (the class docstring).
+
         name: ClassVar[str] = "mine"
-        rounds: int = 3
+        rounds: int = 3  # each setting documented where it is declared
 
-        def __post_init__(self):
-            if self.rounds < 1:
-                raise ConfigError(f"rounds must be >= 1, got {self.rounds}", fix="pass rounds=3")
+        def __post_init__(self) -> None:
+            check_stage(self, {"rounds": at_least(1)})   # rounds=0 or rounds=2.5: a ConfigError
 
-        def run(self, program, ctx):
+        def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
             ...
+            ctx.outcome.candidates_tried = 3
             return program
 
-A stage that hits the budget catches :class:`~flowopt.errors.BudgetExhausted`, returns its best
-program so far and records ``stop_reason`` (``ctx.record(stop_reason="budget: max_lm_calls")``).
+A stage says how its run went in ``ctx.outcome`` (a :class:`~flowopt.compiler.context.StageOutcome`:
+``candidates_tried``, ``stop_reason``, ``best_candidate``) and records other JSON-able facts with
+``ctx.record(...)``; both go into its report row. A stage that hits the budget catches
+:class:`~flowopt.errors.BudgetExhausted`, returns its best program so far and sets
+``ctx.outcome.stop_reason = "budget: max_lm_calls"``. ``flowopt.testing.check_stage_contract`` checks
+a stage against this contract.
 
 A stage that shares its work among launched processes (``accelerate launch``, ``torchrun``) says so
 with ``multi_process = True``; compile refuses the others there, since every process would repeat them.
@@ -55,6 +62,9 @@ class Stage(abc.ABC):
 
     name: ClassVar[str] = ""
     multi_process: ClassVar[bool] = False  # splits its work among launched processes (the weights stages)
+    # Settings that trade time for memory without changing what the stage computes (a weights stage's
+    # micro-batch size): a resumed run may change them, e.g. after running out of memory.
+    memory_settings: ClassVar[tuple[str, ...]] = ()
 
     @abc.abstractmethod
     def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:

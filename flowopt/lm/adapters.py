@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from flowopt.errors import ConfigError, LMError
+from flowopt.io import space_errors
 from flowopt.lm.loading import dir_fingerprint
 
 
@@ -206,22 +207,31 @@ class AdapterSet:
         with self.lock:
             name = self._check_name(name or self._default)
             target = Path(path).expanduser()
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-            try:
-                self._model.save_pretrained(str(tmp), selected_adapters=[name])
-                # PEFT writes non-default adapters into a subfolder named after them.
-                saved = tmp if (tmp / "adapter_config.json").is_file() else tmp / name
-                old = target.with_name(f".{target.name}.old")
-                if target.exists():
-                    shutil.rmtree(old, ignore_errors=True)
-                    os.replace(target, old)
-                os.replace(saved, target)
-                shutil.rmtree(old, ignore_errors=True)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            with space_errors(target, self._adapter_bytes(name), folder=True):
+                self._save_folder(target, name)
             self._adapters[name]["path"] = str(target.resolve())
             return target
+
+    def _adapter_bytes(self, name: str) -> int:
+        """The size of adapter ``name``'s weights: about what its saved folder needs on disk."""
+        marker = f".{name}."
+        return sum(p.numel() * p.element_size() for key, p in self._model.named_parameters() if marker in key)
+
+    def _save_folder(self, target: Path, name: str) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            self._model.save_pretrained(str(tmp), selected_adapters=[name])
+            # PEFT writes non-default adapters into a subfolder named after them.
+            saved = tmp if (tmp / "adapter_config.json").is_file() else tmp / name
+            old = target.with_name(f".{target.name}.old")
+            if target.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(target, old)
+            os.replace(saved, target)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def mark_saved(self, path: str | os.PathLike[str], name: str | None = None) -> None:
         """Record that adapter ``name``'s current weights are on disk at ``path``, written by another

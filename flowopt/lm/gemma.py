@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from flowopt.errors import LMError
+from flowopt.io import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +54,6 @@ def gemma_dir(root: Path | None = None) -> Path:
     return (root or cache_root()) / "models" / GEMMA_NAME
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def read_manifest(folder: Path) -> dict[str, Any] | None:
     """The manifest of a finished conversion, or None when the folder is missing, partial or stale."""
     try:
@@ -85,7 +78,7 @@ def verify_gemma(folder: Path | None = None, *, deep: bool = False) -> bool:
     if manifest is None:
         return False
     if deep:
-        return all(_sha256(folder / name) == entry["sha256"] for name, entry in manifest["files"].items())
+        return all(file_sha256(folder / name) == entry["sha256"] for name, entry in manifest["files"].items())
     return True
 
 
@@ -185,7 +178,7 @@ def _convert(folder: Path, progress: bool) -> None:
         if mismatched or not saved:
             raise LMError(f"the saved safetensors differ from the loaded GGUF weights ({mismatched[:3]})",
                           fix=f"delete {folder} and retry; report a bug if it persists")
-        files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(work.iterdir())}
+        files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(work.iterdir())}
         manifest = {"format": _FORMAT, "model": GEMMA_NAME, "files": files,
                     "tensors": {name: list(t.shape) for name, t in state.items()}}
         (work / MANIFEST).write_text(json.dumps(manifest, indent=1))

@@ -28,7 +28,7 @@ from flowopt.lm.batching import DynamicBatcher
 from flowopt.lm.loading import contiguous_output_projection, dir_fingerprint, load_pretrained
 from flowopt.lm.packing import pack
 from flowopt.lm.prompts import RENDER_CACHE_SIZE, Prompt, PromptRendering
-from flowopt.lm.sampling import RowSettings, Sample, derive_seed, sample
+from flowopt.lm.sampling import OnTokens, RowSettings, Sample, derive_seed, sample
 from flowopt.lm.scoring import completion_logprobs
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ class LocalLM(PromptRendering, AdapterSet):
         self.lock = threading.RLock()  # guards the model: batches, scoring and adapter changes
         self._fingerprint = fingerprint
         self._init_adapters()
-        self._batcher: DynamicBatcher[tuple[list[int], RowSettings], Sample] = DynamicBatcher(
+        self._batcher: DynamicBatcher[tuple[list[int], RowSettings, OnTokens | None], Sample] = DynamicBatcher(
             self._run_batch, max_batch_size=max_batch_size, wait_ms=batch_wait_ms, name=f"flowopt-lm-{name}")
         self._lm: LocalDSPyLM | None = None
         self._render_messages = functools.lru_cache(maxsize=RENDER_CACHE_SIZE)(self._tokenize_messages)
@@ -206,33 +206,39 @@ class LocalLM(PromptRendering, AdapterSet):
         with self.using_adapter(adapter):
             return sample(self._model, self.tokenizer, prompts, rows, generator=generator)
 
-    def _run_batch(self, state: str | None, items: list[tuple[list[int], RowSettings]]) -> list[Sample]:
+    def _run_batch(self, state: str | None, items: list[tuple[list[int], RowSettings, OnTokens | None]]
+                   ) -> list[Sample]:
         with self.using_adapter(state):
-            return sample(self._model, self.tokenizer, [i[0] for i in items], [i[1] for i in items])
+            return sample(self._model, self.tokenizer, [i[0] for i in items], [i[1] for i in items],
+                          on_tokens=[i[2] for i in items])
 
-    def complete_ids(self, prompt_ids: Sequence[int], settings: RowSettings, *, adapter: Any = ...) -> Sample:
+    def complete_ids(self, prompt_ids: Sequence[int], settings: RowSettings, *, adapter: Any = ...,
+                     on_tokens: OnTokens | None = None) -> Sample:
         """Generate one completion through the dynamic batcher (what the DSPy engine calls; thread-safe).
 
         ``adapter`` pins the weights of this call: an attached adapter's name, or None for the base
         weights; the default (``...``) uses the default weights (:attr:`active_adapter`). Calls are
-        batched only with calls of the same weights.
+        batched only with calls of the same weights. ``on_tokens(ids)`` is called from the decode loop
+        with the row's newly decoded token ids after each step; returning False cancels the row.
         """
         self._check_length(prompt_ids, settings.max_new_tokens)
         state = self._state() if adapter is ... else adapter
         if state is not None:
             self._check_name(state)
-        return self._batcher.submit((list(prompt_ids), settings), group=state)
+        return self._batcher.submit((list(prompt_ids), settings, on_tokens), group=state)
 
     def complete_many(self, prompt_ids: Sequence[int], settings: Sequence[RowSettings], *,
-                      adapter: Any = ...) -> list[Sample]:
+                      adapter: Any = ..., on_tokens: Sequence[OnTokens | None] | None = None) -> list[Sample]:
         """Several completions of one prompt through the batcher (they join the same batch; thread-safe);
-        ``adapter`` pins the weights as in :meth:`complete_ids`."""
+        ``adapter`` pins the weights as in :meth:`complete_ids`; ``on_tokens[k]`` streams row ``k``."""
         for row in settings:
             self._check_length(prompt_ids, row.max_new_tokens)
         state = self._state() if adapter is ... else adapter
         if state is not None:
             self._check_name(state)
-        futures = [self._batcher.submit_async((list(prompt_ids), row), group=state) for row in settings]
+        hooks = list(on_tokens) if on_tokens is not None else [None] * len(settings)
+        futures = [self._batcher.submit_async((list(prompt_ids), row, hook), group=state)
+                   for row, hook in zip(settings, hooks)]
         return [future.result() for future in futures]
 
     def generate(self, prompts: Sequence[Prompt], *, n: int = 1, max_new_tokens: int | None = None,

@@ -14,8 +14,9 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from flowopt.errors import ConfigError, LMError
+from flowopt.errors import ConfigError, FlowoptError, LMError
 from flowopt.lm.engine import LocalDSPyLM, LocalEngine
+from flowopt.lm_spec import lm_to_spec
 
 
 class PinnedEngine(LocalEngine):
@@ -104,3 +105,36 @@ def saved_adapter_lm(local: Any, folder: str | Path, *, sha256: str | None = Non
         if name not in local.adapters:
             local.load_adapter(path, name, activate=False)
     return AdapterLM(local, name, path=path, sha256=actual)
+
+
+def bind_saved_adapter(saved: Any, base_lm: Any, weights: Any) -> Any:
+    """The LM a saved workflow's ``lms`` entry runs on when the caller's program binds ``base_lm`` to it.
+
+    The caller's LM wins (a checkpoint in a shared run folder cannot redirect it), with one exception: an
+    entry that differs from ``base_lm``'s LocalLM only in its adapter is a weights stage's output (GRPO
+    trained from the fine-tuned program), so it runs on that same LocalLM with the saved adapter, checked
+    against the sha256 the program recorded; binding the caller's LM would run the input's weights. When
+    the caller's entry is itself a description (a loaded program), such an entry keeps its own.
+    """
+    from flowopt.lm.shared import local_of
+
+    if not isinstance(saved, dict) or not saved.get("adapter"):
+        return base_lm
+    if isinstance(base_lm, dict):  # not built yet: it is built from whichever description is kept
+        return saved if _only_adapter_differs(base_lm, saved) else base_lm
+    local = local_of(base_lm)
+    if local is None:
+        return base_lm
+    try:
+        current = lm_to_spec(base_lm)
+    except FlowoptError:
+        return base_lm  # the base LM cannot be described, so nothing shows the entry is another one
+    if not _only_adapter_differs(current, saved):
+        return base_lm
+    recorded = weights.get("sha256") if isinstance(weights, dict) else None
+    return saved_adapter_lm(local, saved["adapter"], sha256=recorded)
+
+
+def _only_adapter_differs(first: dict[str, Any], second: dict[str, Any]) -> bool:
+    return (first.get("adapter") != second.get("adapter")
+            and {**first, "adapter": None} == {**second, "adapter": None})

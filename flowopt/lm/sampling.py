@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -147,8 +147,12 @@ class _Draws:
         return picked
 
 
+OnTokens = Callable[[list[int]], "bool | None"]  # a row's new token ids after a step; False cancels the row
+
+
 def sample(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], rows: Sequence[RowSettings], *,
-           generator: torch.Generator | None = None) -> list[Sample]:
+           generator: torch.Generator | None = None,
+           on_tokens: Sequence[OnTokens | None] | None = None) -> list[Sample]:
     """One completion per prompt, in one batch (no gradients); ``rows[i]`` are prompt ``i``'s settings.
 
     Example:
@@ -212,10 +216,15 @@ def sample(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], rows: S
                 logps.append(token_logp)
             newly = ~done & (torch.isin(token, eos_tensor) | (limits == step + 1))
             lengths = torch.where(newly, torch.full_like(lengths, step + 1), lengths)
+            was_done = done
             done = done | newly
             for i in stops.hits(tokens, done):
                 lengths[i] = step + 1
                 done[i] = True
+            for i, hook in enumerate(on_tokens or ()):
+                if hook is not None and not bool(was_done[i]) and hook([int(token[i])]) is False:
+                    lengths[i] = step + 1  # cancelled by its caller: the row ends with this token
+                    done[i] = True
             if bool(done.all()) or step + 1 == steps:
                 break
             running = ~done[live]

@@ -1,17 +1,22 @@
 """``flowopt serve``: a LocalLM (with its LoRA adapter) behind an OpenAI-compatible HTTP API.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``,
-and with ``--enable-lora --lora-root DIR`` vLLM's runtime adapter endpoints ``POST /v1/load_lora_adapter``
-and ``POST /v1/unload_lora_adapter`` (:mod:`flowopt.lm.serve_lora`); a request samples with a loaded
-adapter by naming it as its ``model``. Requests from concurrent clients go through the LocalLM's dynamic
-batcher, so they share batches. Binds to 127.0.0.1 by default: there is no authentication (any API key
-is accepted).
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /health``, and with ``--enable-lora --lora-root DIR`` vLLM's runtime
+adapter endpoints ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``
+(:mod:`flowopt.lm.serve_lora`); a request samples with a loaded adapter by naming it as its ``model``.
+A ``model`` the server does not serve is a 404 in OpenAI's error shape. Requests from concurrent clients
+go through the LocalLM's dynamic batcher, so they share batches. Binds to 127.0.0.1 by default: there is
+no authentication (any API key is accepted). Bodies over 8 MiB are a 413.
 
-Log-probs: ``logprobs=true`` (chat) or ``logprobs=N`` (completions) returns each sampled token's
-log-prob under the distribution it was drawn from (``softmax(logits / T)``); ``top_logprobs`` lists are
-empty (the sampler computes only the sampled token's). vLLM's extensions ``return_token_ids`` (the
-prompt's and completion's token ids) and ``return_tokens_as_token_ids`` (tokens as ``token_id:N``) are
-honoured, so a trainer gets exactly the ids that were sampled.
+As OpenAI and vLLM behave: ``stream=true`` streams server-sent events (:mod:`flowopt.lm.serve_stream`,
+``stream_options.include_usage`` too); without ``max_tokens`` a completion may use what the model's
+context has left (at most ``--max-new-tokens``). Log-probs: chat ``logprobs``/``top_logprobs`` and
+completions ``logprobs=N`` give each sampled token's log-prob under the distribution it was drawn from
+(``softmax(logits / T)``) and the N likeliest alternatives; completions ``echo=true`` puts the prompt
+(and its tokens' log-probs) first, and ``echo=true, max_tokens=0`` scores a prompt without generating
+(:mod:`flowopt.lm.serve_logprobs`). vLLM's ``return_token_ids`` and ``return_tokens_as_token_ids`` are
+honoured, so a trainer gets exactly the ids that were sampled. Fields not implemented are refused or
+ignored as :mod:`flowopt.lm.serve_schema` lists (``response_format`` other than text is a 400).
 
 Example:
     $ flowopt serve gemma-3-270m --adapter runs/grpo/adapter --port 8011
@@ -27,228 +32,198 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flowopt.errors import FlowoptError
-from flowopt.lm.sampling import RowSettings, derive_seed
+from flowopt.lm.sampling import RowSettings, Sample, derive_seed
+from flowopt.lm.serve_logprobs import chat_logprobs, text_logprobs
 from flowopt.lm.serve_lora import LoraRefused, RuntimeLoras
+from flowopt.lm.serve_schema import (
+    MAX_BODY_BYTES,
+    MAX_ROWS,
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    LoadLoraRequest,
+    SamplingRequest,
+    UnloadLoraRequest,
+)
+from flowopt.lm.serve_stream import StreamJob, new_id, now, stream_rows
 
 if TYPE_CHECKING:
     from flowopt.lm.local import LocalLM
 
 logger = logging.getLogger(__name__)
 
-# Caps per request: a client cannot make one request hold the model for long or the server's memory.
-MAX_PROMPTS = 32  # prompts in one /v1/completions request
-MAX_ROWS = 64  # completions in one request: n x prompts
-MAX_MESSAGES = 256
-MAX_TEXT_CHARS = 200_000  # one prompt, message or text part
-MAX_TOKENS = 4096  # max_tokens / max_completion_tokens
-MAX_STOPS = 8
-MAX_TOP_LOGPROBS = 20
 
-_Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
-_Finite = Annotated[float, Field(allow_inf_nan=False)]
+def _context_left(local: LocalLM, prompt_len: int) -> int | None:
+    limit = getattr(local.base_model.config, "max_position_embeddings", None)
+    return None if not limit else int(limit) - prompt_len
 
 
-class BadRequest(Exception):
-    """A client error, answered as HTTP 400 in OpenAI's error shape."""
-
-
-class _Request(BaseModel):
-    # OpenAI clients send fields a local model has no use for (user, logit_bias, ...): ignored, never
-    # stored, so a deeply nested unknown field costs nothing.
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextPart(_Request):
-    """One part of a message's content; only text parts are served."""
-
-    type: Literal["text"]
-    text: _Text
-
-
-class ChatMessage(_Request):
-    """One chat message: a role and text (a string or a list of text parts)."""
-
-    role: Literal["system", "developer", "user", "assistant", "tool"] = "user"
-    content: _Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(part.text for part in self.content)
-
-
-class SamplingRequest(_Request):
-    """The decoding settings both endpoints share (OpenAI's names and meanings), with bounds."""
-
-    model: Annotated[str, Field(max_length=256)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_ROWS, strict=True)] = 1
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS, strict=True)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS, strict=True)] | None = None
-    temperature: Annotated[_Finite, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[_Finite, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0, le=100_000, strict=True)] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), lt=2**64, strict=True)] | None = None
-    stop: Annotated[str, Field(max_length=256)] | Annotated[
-        list[Annotated[str, Field(max_length=256)]], Field(max_length=MAX_STOPS)] | None = None
-    stream: bool = False
-    return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids in the response
-    return_tokens_as_token_ids: bool = False  # vLLM: log-prob tokens written as "token_id:N"
-
-    def wants_logprobs(self) -> bool:
-        return False
-
-
-class ChatRequest(SamplingRequest):
-    """A ``/v1/chat/completions`` body."""
-
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS, strict=True)] | None = None
-
-    def wants_logprobs(self) -> bool:
-        return self.logprobs
-
-
-class CompletionRequest(SamplingRequest):
-    """A ``/v1/completions`` body: one prompt or a list of them."""
-
-    prompt: _Text | Annotated[list[_Text], Field(min_length=1, max_length=MAX_PROMPTS)]
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS, strict=True)] | None = None
-
-    def wants_logprobs(self) -> bool:
-        return self.logprobs is not None
-
-
-class LoadLoraRequest(_Request):
-    """A ``/v1/load_lora_adapter`` body (vLLM's shape)."""
-
-    lora_name: Annotated[str, Field(min_length=1, max_length=128)]
-    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
-
-
-class UnloadLoraRequest(_Request):
-    """A ``/v1/unload_lora_adapter`` body (vLLM's shape)."""
-
-    lora_name: Annotated[str, Field(min_length=1, max_length=128)]
-
-
-def _rows(local: LocalLM, body: SamplingRequest, prompts: int = 1) -> list[RowSettings]:
-    """The n decoding settings of a request."""
-    if body.stream:
-        raise BadRequest("streaming is not supported by flowopt serve; send stream=false")
-    if body.n * prompts > MAX_ROWS:
-        raise BadRequest(f"n x prompts = {body.n * prompts} completions; at most {MAX_ROWS} per request")
+def _rows(local: LocalLM, body: SamplingRequest, prompt_len: int) -> list[RowSettings]:
+    """The n decoding settings of a request for one prompt of ``prompt_len`` tokens (none for max_tokens=0)."""
+    limit = body.token_limit
+    left = _context_left(local, prompt_len)
+    if left is not None and left < 1:
+        raise BadRequest(f"the prompt of {prompt_len} tokens fills the model's context; shorten it", "messages")
+    if limit is None:  # as OpenAI and vLLM: what the context has left, here at most the server's default
+        limit = local.max_new_tokens if left is None else min(local.max_new_tokens, left)
+    if limit == 0:
+        return []
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     seed = body.seed
     try:
         return [RowSettings(
-            max_new_tokens=body.max_completion_tokens or body.max_tokens or local.max_new_tokens,
+            max_new_tokens=limit,
             temperature=float(local.temperature if body.temperature is None else body.temperature),
             top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
+            top_k=max(0, body.top_k or 0),  # vLLM's -1 and OpenAI's absent both mean "no top-k"
             # Sample 0 uses the seed itself, so a served call matches the same call made in-process.
             seed=None if seed is None else (seed if k == 0 else derive_seed(seed, k)),
             stop=stop,
-            logprobs=body.wants_logprobs(),
+            logprobs=body.top_logprobs_wanted() is not None,
         ) for k in range(body.n)]
     except (TypeError, ValueError) as exc:
         raise BadRequest(str(exc)) from exc
 
 
-def _usage(prompt_tokens: int, samples: Sequence[Any]) -> dict[str, int]:
+def _check_request(body: SamplingRequest, prompts: int = 1) -> None:
+    if body.n * prompts > MAX_ROWS:
+        raise BadRequest(f"n x prompts = {body.n * prompts} completions; at most {MAX_ROWS} per request", "n")
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
+    if body.stream and body.top_logprobs_wanted() is not None:
+        raise BadRequest("logprobs are not streamed by flowopt serve; ask without stream=true", "logprobs")
+    if body.token_limit == 0 and not getattr(body, "echo", False):
+        raise BadRequest("max_tokens=0 generates nothing; with echo=true (completions) it scores the prompt",
+                         "max_tokens")
+    if isinstance(body, CompletionRequest) and body.echo and body.stream:
+        raise BadRequest("echo is not streamed by flowopt serve; ask without stream=true", "echo")
+
+
+def _generate(local: LocalLM, prompt_ids: list[int], rows: list[RowSettings], adapter: Any, n: int) -> list[Sample]:
+    if not rows:  # max_tokens=0: the prompt only, as n empty completions
+        return [Sample(prompt_ids=list(prompt_ids), completion_ids=[], text="", finish_reason="length")
+                for _ in range(n)]
+    return local.complete_many(prompt_ids, rows, adapter=adapter)
+
+
+def _usage(prompt_tokens: int, samples: Sequence[Sample]) -> dict[str, int]:
     completion = sum(len(s.completion_ids) for s in samples)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion}
 
 
-def _tokens(local: LocalLM, sample: Any, as_ids: bool) -> list[str]:
-    if as_ids:
-        return [f"token_id:{t}" for t in sample.completion_ids]
-    return [local.tokenizer.decode([t]) for t in sample.completion_ids]
+def _temperature(local: LocalLM, body: SamplingRequest) -> float:
+    return float(local.temperature if body.temperature is None else body.temperature)
 
 
-def _chat_logprobs(local: LocalLM, sample: Any, body: ChatRequest) -> dict[str, Any] | None:
-    """OpenAI's chat ``logprobs`` object: one entry per sampled token (``top_logprobs`` left empty)."""
-    if not body.logprobs or sample.logprobs is None:
-        return None
-    tokens = _tokens(local, sample, body.return_tokens_as_token_ids)
-    return {"content": [{"token": token, "logprob": float(lp), "bytes": list(token.encode()), "top_logprobs": []}
-                        for token, lp in zip(tokens, sample.logprobs.tolist())]}
-
-
-def _text_logprobs(local: LocalLM, sample: Any, body: CompletionRequest) -> dict[str, Any] | None:
-    """OpenAI's legacy completions ``logprobs`` object (``top_logprobs`` null: not computed)."""
-    if body.logprobs is None or sample.logprobs is None:
-        return None
-    tokens = _tokens(local, sample, body.return_tokens_as_token_ids)
-    offsets, at = [], 0
-    for token in tokens:
-        offsets.append(at)
-        at += len(token)
-    return {"tokens": tokens, "token_logprobs": [float(lp) for lp in sample.logprobs.tolist()],
-            "top_logprobs": None, "text_offset": offsets}
+def _chat_prompt(local: LocalLM, body: ChatRequest) -> list[int]:
+    if body.tools:
+        raise BadRequest("tools are not supported by local models", "tools")
+    _check_request(body)
+    return list(local.render([{"role": m.role, "content": m.text()} for m in body.messages]))
 
 
 def chat_completion(local: LocalLM, body: ChatRequest, model_name: str, adapter: Any = ...) -> dict[str, Any]:
     """Answer one ``/v1/chat/completions`` body (``adapter`` as in :meth:`LocalLM.complete_ids`)."""
-    if body.tools:
-        raise BadRequest("tools are not supported by local models")
-    rows = _rows(local, body)
-    prompt_ids = local.render([{"role": m.role, "content": m.text()} for m in body.messages])
-    samples = local.complete_many(prompt_ids, rows, adapter=adapter)
+    prompt_ids = _chat_prompt(local, body)
+    samples = _generate(local, prompt_ids, _rows(local, body, len(prompt_ids)), adapter, body.n)
+    top = body.top_logprobs_wanted()
     choices = []
     for i, s in enumerate(samples):
+        logprobs = None if top is None else chat_logprobs(
+            local, s, k=top, temperature=_temperature(local, body), as_ids=body.return_tokens_as_token_ids,
+            adapter=adapter)
         choice = {"index": i, "message": {"role": "assistant", "content": s.text},
-                  "logprobs": _chat_logprobs(local, s, body), "finish_reason": s.finish_reason}
+                  "logprobs": logprobs, "finish_reason": s.finish_reason}
         if body.return_token_ids:
             choice["token_ids"] = list(s.completion_ids)
         choices.append(choice)
-    answer = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+    answer = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
               "model": model_name, "choices": choices, "usage": _usage(len(prompt_ids), samples)}
     if body.return_token_ids:
         answer["prompt_token_ids"] = list(prompt_ids)
     return answer
 
 
+def _prompts(local: LocalLM, body: CompletionRequest) -> list[tuple[str, list[int]]]:
+    texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    _check_request(body, prompts=len(texts))
+    return [(text, list(local.render(text))) for text in texts]
+
+
 def text_completion(local: LocalLM, body: CompletionRequest, model_name: str, adapter: Any = ...) -> dict[str, Any]:
     """Answer one ``/v1/completions`` body (the prompt is raw text: no chat template, no transcript)."""
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    rows = _rows(local, body, prompts=len(prompts))
     choices: list[dict[str, Any]] = []
-    used: list[Any] = []
+    used: list[Sample] = []
     prompt_tokens = 0
-    for text in prompts:
-        prompt_ids = local.render(text)
+    top = body.top_logprobs_wanted()
+    for text, prompt_ids in _prompts(local, body):
         prompt_tokens += len(prompt_ids)
-        samples = local.complete_many(prompt_ids, rows, adapter=adapter)
+        samples = _generate(local, prompt_ids, _rows(local, body, len(prompt_ids)), adapter, body.n)
         used += samples
         for s in samples:
-            choice = {"index": len(choices), "text": s.text, "logprobs": _text_logprobs(local, s, body),
+            logprobs = None if top is None else text_logprobs(
+                local, s, k=top, temperature=_temperature(local, body), as_ids=body.return_tokens_as_token_ids,
+                echo=body.echo, adapter=adapter)
+            choice = {"index": len(choices), "text": (text if body.echo else "") + s.text, "logprobs": logprobs,
                       "finish_reason": s.finish_reason}
             if body.return_token_ids:  # vLLM puts both on the choice for completions
                 choice.update(prompt_token_ids=list(prompt_ids), token_ids=list(s.completion_ids))
             choices.append(choice)
-    return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+    return {"id": new_id("cmpl"), "object": "text_completion", "created": now(),
             "model": model_name, "choices": choices, "usage": _usage(prompt_tokens, used)}
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message[:2000], "type": kind}})
+def _stream(local: LocalLM, body: SamplingRequest, model_name: str, adapter: Any,
+            prompts: list[list[int]]) -> StreamingResponse:
+    """``stream=true``: the answer as server-sent events, chunk by chunk as tokens are decoded."""
+    chat = isinstance(body, ChatRequest)
+    jobs: list[StreamJob] = []
+    for p, prompt_ids in enumerate(prompts):
+        rows = _rows(local, body, len(prompt_ids))
+        for row in rows:
+            jobs.append(StreamJob(len(jobs), p, prompt_ids, row))
+    ident, created = new_id("chatcmpl" if chat else "cmpl"), now()
+    head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model_name}
+    extra = {"usage": None} if body.include_usage else {}
+
+    def chunk(index: int, text: str, finish: str | None) -> dict[str, Any]:
+        if chat:
+            delta = {"content": text} if text or finish is None else {}
+            return {**head, "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish}], **extra}
+        return {**head, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}],
+                **extra}
+
+    def first(index: int) -> dict[str, Any]:
+        return {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}], **extra}
+
+    def usage_chunk(usage: dict[str, int]) -> dict[str, Any]:
+        return {**head, "choices": [], "usage": usage}
+
+    events = stream_rows(local, jobs, adapter=adapter, chunk=chunk, first=first if chat else None,
+                         usage_chunk=usage_chunk if body.include_usage else None)
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _error(status: int, message: str, kind: str, *, param: str | None = None, code: str | None = None
+           ) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message[:2000], "type": kind,
+                                                                 "param": param, "code": code}})
 
 
 def _lora_error(exc: LoraRefused) -> JSONResponse:
@@ -265,18 +240,58 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(problems) or "invalid request body"
 
 
-def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeLoras | None = None) -> FastAPI:
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is a 413, whether its length is declared or not."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:  # FastAPI answers an HTTPException raised while reading with its status
+                raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self) -> str:
+        return f"request body over {self.max_bytes} bytes; send less (prompts, messages and demos belong in KBs)"
+
+    def _too_large(self) -> JSONResponse:
+        return _error(413, self._message(), "invalid_request_error")
+
+
+def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeLoras | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI application serving ``local`` under ``model_name`` (default: its name).
 
     Request bodies are pydantic models: a malformed or out-of-bounds body is a 400 in OpenAI's error
-    shape before any generation starts. ``loras`` enables the runtime adapter endpoints (off by default:
-    they answer 404, as vLLM's do without runtime LoRA updating). With them on, a request's ``model``
-    must be the served name or a loaded adapter (else 404, as in vLLM), so a typo never silently samples
-    the base weights; without them ``model`` is not checked.
+    shape before any generation starts, a body over ``max_body_bytes`` a 413. A request's ``model``
+    must be the served name or a loaded adapter (else 404, as OpenAI and vLLM answer), so a typo never
+    silently samples the base weights. ``loras`` enables the runtime adapter endpoints (off by
+    default: they answer 404, as vLLM's do without runtime LoRA updating).
+
+    Example:
+        >>> from fastapi.testclient import TestClient  # doctest: +SKIP
+        >>> TestClient(create_app(local, model_name="tiny")).get("/v1/models/tiny").json()["id"]  # doctest: +SKIP
+        'tiny'
     """
     name = model_name or local.name
     loras = loras or RuntimeLoras(local, lora_root=None)
     app = FastAPI(title="flowopt serve", version="1")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -287,28 +302,39 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
         # FastAPI answers 400 "error parsing the body" for JSON it cannot read (e.g. nested too deep).
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
-    async def answer(handler: Any, body: SamplingRequest) -> JSONResponse:
+    def model_cards() -> list[dict[str, Any]]:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "flowopt"}]
+        return data + [{"id": lora, "object": "model", "created": 0, "owned_by": "flowopt", "parent": name}
+                       for lora in loras.loaded]
+
+    def not_found(model: str) -> JSONResponse:
+        return _error(404, f"The model {model!r} does not exist: this server serves {[c['id'] for c in model_cards()]}",
+                      "NotFoundError", param="model", code="model_not_found")
+
+    async def answer(handler: Any, body: SamplingRequest, prompts: Any) -> Any:
         adapter = loras.adapter_for(body.model)
-        if loras.enabled and adapter is None and body.model not in (None, name):
-            return _error(404, f"The model {body.model!r} does not exist: serve {name!r} or a loaded LoRA "
-                               f"adapter ({sorted(loras.loaded)})", "NotFoundError")
+        if adapter is None and body.model not in (None, name):
+            return not_found(body.model)
+        pinned = ... if adapter is None else adapter
+        served = adapter or name
         try:
+            if body.stream:
+                return _stream(local, body, served, pinned, [ids for _, ids in prompts(local, body)])
             # Generation blocks; a worker thread per request lets concurrent requests meet in one batch.
-            pinned = ... if adapter is None else adapter
-            return JSONResponse(await run_in_threadpool(handler, local, body, adapter or name, pinned))
+            return JSONResponse(await run_in_threadpool(handler, local, body, served, pinned))
         except (BadRequest, FlowoptError) as exc:
-            return _error(400, str(exc), "invalid_request_error")
+            return _error(400, str(exc), "invalid_request_error", param=getattr(exc, "param", None))
         except Exception as exc:  # the server stays up; the client sees what went wrong
             logger.exception("generation failed")
             return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest) -> JSONResponse:
-        return await answer(chat_completion, body)
+    async def chat(body: ChatRequest) -> Any:
+        return await answer(chat_completion, body, lambda lm, b: [("", _chat_prompt(lm, b))])
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> JSONResponse:
-        return await answer(text_completion, body)
+    async def completions(body: CompletionRequest) -> Any:
+        return await answer(text_completion, body, _prompts)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraRequest) -> Any:
@@ -328,10 +354,12 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "flowopt"}]
-        data += [{"id": lora, "object": "model", "created": 0, "owned_by": "flowopt", "parent": name}
-                 for lora in loras.loaded]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model:path}")
+    def model(model: str) -> Any:
+        card = next((c for c in model_cards() if c["id"] == model), None)
+        return card if card is not None else not_found(model)
 
     @app.get("/health")
     def health() -> dict[str, Any]:

@@ -1,75 +1,23 @@
-"""When to stop scoring a candidate: the minibatch schedule and the pruning rules.
+"""When to stop scoring a candidate: the minibatch schedule and the statistical tests of the pruners.
 
 Every candidate is scored on the same shuffled valset, rung by rung (cumulative prefixes of it), so
-at each rung all live candidates have scores on the same examples. The rules, given those scores:
+at each rung all live candidates have scores on the same examples. The rules that decide, given those
+scores, are the :class:`~flowopt.optimizers.search.pruners.Pruner` classes (one per rule, each
+documented on its own); this module holds what they share: where the looks fall and the tests.
 
-* ``"confidence"`` (the default, honest one): compare each challenger with the leader (the best mean
-  so far) example by example. With 0/1 scores: McNemar's exact test on the examples where exactly
-  one of the two is right; otherwise a one-sided paired normal bound on the mean difference. Prune
-  only when the challenger is worse at one-sided level ``alpha`` (:data:`ALPHA`, 0.1: a 10% test at
-  each look; ``alpha=0.05`` halves the chance of each wrong prune and costs LM calls). A tie never prunes.
-  What is tested is the question the search asks: is the challenger's score on the *whole valset*
-  below the leader's? The scored prefix is a sample drawn without replacement from that finite valset
-  (one shuffled order), so the test carries the finite-population correction: McNemar becomes its
-  hypergeometric version, the normal bound shrinks by ``sqrt((N - m) / (N - 1))``. The hypergeometric
-  p-value depends on how many of the valset's examples are discordant (``K``), which only the seen
-  prefix hints at: the p-value is the largest over the ``K`` a ``1 - gamma`` upper confidence bound
-  allows, plus ``gamma`` (Berger and Boos, 1994; ``gamma`` = 0.001), still a level-``alpha`` test.
-  Once every example is scored the verdict is exact; a challenger that cannot catch up on the
-  examples left is pruned with certainty.
-* ``"anytime"``: the same question, by a test valid at every look at once: a bettor stakes a fixed
-  share (:data:`BET`) of its wealth on each example against "the challenger's whole-valset score is at
-  least the leader's", centred by what sampling without replacement leaves for the rest of the
-  valset (:func:`evidence`; Waudby-Smith and Ramdas). Under that null the wealth is a nonnegative
-  supermartingale, so it ever reaches ``1 / alpha`` with probability at most ``alpha`` (Ville's
-  inequality): the rule looks after every example and still prunes a challenger that ties or beats
-  its leader in at most ``alpha`` of orders, over all looks (the search benchmark's ``tie_prune_rates``
-  give the rates at 15 + 15 and 35 + 35 discordant examples of 100, over 400 orders). It needs scores in
-  [0, 1]; it needs more evidence than one look of ``"confidence"`` and so stops a trailing candidate later
-  (the benchmark measures the calls).
-* ``"stratified"``: the confidence rule's looks and level, against a *fully scored* reference: the
-  search scores the leader of each look on the whole valset at once (it is the likely pick, whose
-  whole-valset scores the compiler's final check pays for anyway), and a challenger is tested against
-  the best fully scored candidate, whose whole-valset total ``T`` is then known, not estimated. The
-  valset splits into two strata by the reference's own 0/1 score on each example; the examples of a
-  stratum in the challenger's scored prefix are a uniform without-replacement sample of it (the
-  shuffled order does not depend on anyone's scores), so the stratified estimate of the challenger's
-  whole-valset total, ``sum N_s k_s / n_s``, has an exact distribution for every split ``C_0 + C_1``
-  of its total: the p-value is the largest ``P(estimate <= observed)`` over the splits with
-  ``C_0 + C_1 = T`` that the scored examples leave possible (:func:`stratified_p`). What stratifying
-  buys: the challenger's right/wrong answers correlate with the reference's through the examples'
-  difficulty, and the split removes that part of the variance; knowing ``T`` removes the leader's
-  own sampling error. Scores must be 0/1 (graded scores: the paired bound of ``"confidence"``
-  against the reference). Each look is an exact level-``alpha`` test (checked by enumeration in the
-  tests), but its looks are less alike than McNemar's, which is conservative with few discordant
-  pairs: over all looks it prunes a whole-valset tie more often than ``"confidence"`` does (the
-  search benchmark measures both, ``tie_prune_rates``). On the benchmark's task it saves a few percent
-  of the calls: the answers of different prompts to one example agree little beyond the example's
-  difficulty, so stratifying removes little variance (the benchmark reports how much).
-* ``"halving"``: successive halving. Keep the best ``1/reduction_factor`` of the challengers scored
-  that far and everyone tied with the last kept; the incumbent is ranked with nobody (it never takes
-  a keep slot).
-* ``"median"``: prune a challenger strictly below the median of all candidates scored that far.
+No decision rests on a handful of examples: the testing rules' first look is at 20 examples at least
+(:func:`first_look`; the exact test needs no more), the ranking rules' first rung at ``max(20, 25% of
+the valset)`` (:func:`first_rung`: a rank says nothing about significance, so it needs a sizeable
+sample). The confidence rule then looks again every 5% of the valset (:func:`looks`), and the search
+skips a look that would leave threads idle (:func:`next_look`).
 
-The incumbent (the program the stage starts from) is never pruned. No decision rests on a handful
-of examples: the confidence rule's first look is at 20 examples at least (:func:`first_look`; its exact
-test needs no more), the other rules' first rung at ``max(20, 25% of the valset)`` (:func:`first_rung`:
-a rank says nothing about significance, so it needs a sizeable sample). The confidence rule then
-looks again every 5% of the valset (:func:`looks`), and the search skips a look that would leave
-threads idle (:func:`next_look`). Each look is a decision at level ``alpha``; over all of a
-candidate's looks the chance of pruning one that ties the leader on the whole valset is above
-``alpha`` and grows with the looks and the discordance (over random orders of a valset of 100 at
-15 + 15 discordant, in the tests: 16 of 300 at ``alpha=0.05``, 38 of 300 at 0.1; the search
-benchmark's ``tie_prune_rates`` give each rule's rate at 15 + 15 and 35 + 35, at both levels: for
-this rule 14% and 25% at 0.1, 5% and 13% at 0.05), which is why the looks are not finer. The
-benchmark also measures how often a pruned candidate's whole-valset score ends above the returned
-program's, for every rule.
-
-Why the default level is 10%, not 5%: on the search benchmark's task the held-out test score of the
-pick does not change measurably between the two, while 10% stops trailing candidates sooner and so
-saves LM calls, which are what a user pays; the error rate is stated (per decision) and measured
-(per run) in ``benchmarks/results/search_generalisation.md``. Pass ``alpha=0.05`` for fewer wrong
-prunes at the cost of more calls.
+The tests: :func:`worse_than` (McNemar's exact test, or its finite-population version, for 0/1
+scores; a paired normal bound for graded ones), :func:`anytime_worse` (a betting test valid at every
+look, :func:`evidence`) and :func:`stratified_worse` (an exact test against a fully scored reference,
+:func:`stratified_p`). Each is a one-sided level-``alpha`` test (:data:`ALPHA`, 0.1 by default: on the
+search benchmark's task the held-out score of the pick does not change measurably between 0.1 and 0.05,
+while 0.1 stops trailing candidates sooner; the measured error rates are in
+``benchmarks/results/search_generalisation.md``). A tie never prunes.
 
 Example:
     >>> from flowopt.optimizers.search.pruning import first_look, first_rung, rungs, worse_than
@@ -92,11 +40,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from flowopt.errors import ConfigError
 
-PRUNE_RULES = ("confidence", "stratified", "anytime", "halving", "median", "none")
 MIN_FIRST_RUNG = 20
 ALPHA = 0.1  # the default one-sided level of each prune decision (the search stage's ``alpha``); see above
 FINITE_UP_TO = 2000  # examples left beyond which the finite-population test gains nothing over McNemar's
@@ -367,73 +314,3 @@ def stratified_worse(challenger: Sequence[float], reference: Sequence[float], al
     if estimate >= sum(ref):  # not behind: a tie or better never prunes
         return False
     return stratified_p(challenger, ref) < alpha
-
-
-def to_prune(rule: str, live: Mapping[int, Sequence[float]], others: Mapping[int, Sequence[float]], step: int,
-             incumbent: int | None, *, reduction_factor: int = 3, alpha: float = ALPHA,
-             population: int | None = None) -> set[int]:
-    """Which ``live`` candidates to prune at the rung ending at example ``step``.
-
-    ``live`` maps candidate numbers to their scores so far (at least ``step`` of them, in valset
-    order); ``others`` holds candidates of earlier waves (finished or pruned), compared on their first
-    ``step`` scores when they have that many. ``incumbent`` is never pruned and takes no keep slot.
-    ``population``: the valset's size, for the finite-population tests (the stratified rule needs it to tell
-    a fully scored candidate; without it, it is the confidence rule).
-    """
-    return set(verdicts(rule, live, others, step, incumbent, reduction_factor=reduction_factor, alpha=alpha,
-                        population=population))
-
-
-def verdicts(rule: str, live: Mapping[int, Sequence[float]], others: Mapping[int, Sequence[float]], step: int,
-             incumbent: int | None, *, reduction_factor: int = 3, alpha: float = ALPHA,
-             population: int | None = None) -> dict[int, str]:
-    """:func:`to_prune`, with the reason for each prune (for the report).
-
-    Example:
-        >>> verdicts("confidence", {1: [1.0] * 25, 2: [1.0] * 19 + [0.0] * 6}, {}, 25, None)
-        {2: 'worse than candidate 1 at one-sided 10%: 0.760 vs 1.000 on the first 25 examples (6 losses, 0 wins)'}
-    """
-    if rule == "none":
-        return {}
-    scored = {k: list(v[:step]) for k, v in {**others, **live}.items() if len(v) >= step}
-    challengers = [k for k in live if k != incumbent]
-    means = {k: statistics.fmean(v) if v else 0.0 for k, v in scored.items()}
-    if rule == "stratified" and population is not None:
-        full = {k: v for k, v in {**others, **live}.items() if len(v) == population}
-        if full:
-            reference = max(full, key=lambda k: (sum(full[k]), -k))
-            ref = list(full[reference])
-            out = {}
-            for k in challengers:
-                if k != reference and len(live[k]) < population and stratified_worse(scored[k], ref, alpha):
-                    out[k] = (f"worse than candidate {reference} (whole valset {statistics.fmean(ref):.3f}) at "
-                              f"one-sided {alpha:.0%}, stratified by its scores: {means[k]:.3f} on the first "
-                              f"{step} examples")
-            return out
-    if rule in ("confidence", "anytime", "stratified"):  # stratified with no fully scored candidate: confidence
-        leader = max(scored, key=lambda k: (sum(scored[k]), -k))
-        lead = scored[leader]
-        test = anytime_worse if rule == "anytime" else worse_than
-        out = {}
-        for k in challengers:
-            if k != leader and test(scored[k], lead, alpha, population=population):
-                losses = sum(1 for x, y in zip(scored[k], lead) if x < y)
-                wins = sum(1 for x, y in zip(scored[k], lead) if x > y)
-                level = f"{alpha:.0%} over every look" if rule == "anytime" else f"one-sided {alpha:.0%}"
-                out[k] = (f"worse than candidate {leader} at {level}: {means[k]:.3f} vs "
-                          f"{means[leader]:.3f} on the first {step} examples ({losses} losses, {wins} wins)")
-        return out
-    if len(means) < 3:
-        return {}
-    if rule == "median":
-        middle = statistics.median(means.values())
-        return {k: f"below the median {middle:.3f} of {len(means)} candidates: {means[k]:.3f} on the first "
-                   f"{step} examples" for k in challengers if means[k] < middle}
-    if rule == "halving":
-        ranked = sorted((k for k in means if k != incumbent), key=lambda k: (-means[k], k))
-        kept = ranked[: math.ceil(len(ranked) / reduction_factor)]
-        bar = min(means[k] for k in kept) if kept else float("-inf")
-        # everyone tied with the last kept stays
-        return {k: f"below the best 1/{reduction_factor} of the challengers (bar {bar:.3f}): {means[k]:.3f} on the "
-                   f"first {step} examples" for k in challengers if means[k] < bar}
-    raise ValueError(f"unknown pruning rule {rule!r}")

@@ -15,13 +15,15 @@ Example:
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import dspy
 
 from flowopt.compiler import StageContext, clone_program
-from flowopt.errors import ConfigError
+from flowopt.errors import ConfigError, FlowoptError
+from flowopt.optimizers.search.shared_claims import StudyWorker
 from flowopt.optimizers.search.space import SearchSpace
 
 if TYPE_CHECKING:
@@ -98,6 +100,72 @@ def _definitions(stage: RandomSearch, program: dspy.Module, ctx: StageContext, s
     scratch = optuna.create_study(direction="maximize")
     planned = []
     for number in range(len(space.seeded) if count is None else count):
-        trial, candidate = stage._ask(scratch, space, program, ctx, number, None)
+        trial, candidate = stage.ask_candidate(scratch, space, program, ctx, number, None)
         planned.append((str(trial.user_attrs["kind"]), definition_of(candidate)))
     return planned
+
+
+PLAN = "plan"  # the study's user attr written once every candidate is enqueued
+SETTINGS = "settings"  # the study's user attr: the settings it was planned with (written before any candidate)
+# Settings that may differ between the workers of one study (the planner alone uses the proposer LM).
+SETTINGS_LOCAL_TO_A_WORKER = ("heartbeat_s", "stale_after_s", "wait_timeout_s", "parallel", "proposer_lm")
+
+
+class PlanningWorker(StudyWorker):
+    """A worker's part in planning the shared study: check its settings against the study's, and plan
+    every candidate when it is the one to (the first, or the one taking over from a dead planner)."""
+
+    def plan_step(self, program: dspy.Module) -> bool:
+        """Whether the plan is complete: checks this worker's settings against the study's, and plans
+        now if no other worker is planning (or the one that was died)."""
+        if self.plan is not None:
+            return True
+        attrs = self.study.user_attrs
+        if SETTINGS in attrs and not self.settings_checked:
+            mine = _fingerprint(self.stage)
+            if attrs[SETTINGS] != mine:
+                theirs = attrs[SETTINGS]
+                differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+                raise ConfigError(f"the shared study {self.stage.study_name!r} was planned with other search "
+                                  f"settings ({', '.join(differ)} differ)",
+                                  fix="run every worker with the same search settings, or pass a new study_name")
+            self.settings_checked = True
+        done, plan = self.try_decide(PLAN, lambda: self._plan(program), attrs)
+        if done:
+            self.plan = dict(plan)
+            self.settings_checked = True  # planned with our settings (the check above, or by us)
+            self.log(f"plan of {self.plan['candidates']} candidates ready")
+        return done
+
+    def _plan(self, program: dspy.Module) -> dict[str, Any]:
+        """Enqueue every candidate: first the ones defined without an LM call (other workers score them
+        while this one bootstraps), then the rest."""
+        self.study.set_user_attr(SETTINGS, _fingerprint(self.stage))  # before any candidate exists
+        present = {t.user_attrs.get("candidate") for t in self.study.get_trials(deepcopy=False)}
+        first = first_candidates(self.stage, program, self.ctx)
+        self._enqueue(first, present)
+        self.log(f"{len(first)} candidates enqueued before planning the rest")
+        planned, space = plan_candidates(self.stage, program, self.ctx)
+        if planned[: len(first)] != first:  # the two ways of defining them must agree, or workers would differ
+            raise FlowoptError("the shared search's first candidates differ from its full plan's",
+                               fix="report this as a flowopt bug; meanwhile run the search in one process")
+        self._enqueue(planned, present)
+        self.record_calls()
+        return {"candidates": len(planned), "planner": self.worker_id,
+                "pool_demos": {n: len(p) for n, p in space.pools.items()},
+                "instruction_candidates": {n: len(c) for n, c in space.instructions.items()},
+                "pool_exhausted_by": space.pool_exhausted_by}
+
+    def _enqueue(self, planned: list[tuple[str, dict[str, Any]]], present: set[Any]) -> None:
+        for number, (kind, definition) in enumerate(planned):
+            if number not in present:  # a planner that died half-way enqueued the others
+                self.study.enqueue_trial({}, user_attrs={"candidate": number, "kind": kind, "definition": definition})
+                present.add(number)
+
+
+
+def _fingerprint(stage: RandomSearch) -> dict[str, Any]:
+    """The settings every worker of one study must share (JSON-able, as stored in the study)."""
+    settings = {k: v for k, v in stage.settings().items() if k not in SETTINGS_LOCAL_TO_A_WORKER}
+    return dict(json.loads(json.dumps(settings, default=str)))
+

@@ -31,17 +31,26 @@ def is_shared(storage: str | None) -> bool:
     return isinstance(storage, str) and "://" in storage
 
 
-def open_rdb_storage(url: str, *, heartbeat_s: int, stale_after_s: int) -> Any:
+def open_rdb_storage(url: str, *, heartbeat_s: int, stale_after_s: int, worker: str | None = None) -> Any:
     """An optuna ``RDBStorage`` with heartbeats on (trials whose worker stops recording them for
-    ``stale_after_s`` seconds are stale), retrying the table creation two workers may race on."""
+    ``stale_after_s`` seconds are stale), retrying the table creation two workers may race on, and
+    every later call across a lost connection (:class:`~.shared_retry.RetryingRDBStorage`). On
+    PostgreSQL the connections carry ``application_name`` ``flowopt-search:<worker>``, so an operator
+    sees in ``pg_stat_activity`` which worker holds which connection."""
     import optuna
     import sqlalchemy.exc
 
+    from flowopt.optimizers.search.shared_retry import RetryingRDBStorage
+
+    engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}  # a pooled connection dead since a restart is replaced
+    if url.startswith("postgresql") and worker is not None:
+        engine_kwargs["connect_args"] = {"application_name": f"flowopt-search:{worker}"[:63]}
     for attempt in range(_OPEN_ATTEMPTS):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat_s, grace_period=stale_after_s)
+                return RetryingRDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_s,
+                                          grace_period=stale_after_s)
         except ModuleNotFoundError as err:
             raise ConfigError(f"the database driver for {url.split('://')[0]!r} is not installed ({err})",
                               fix="pip install 'flowopt[postgres]' and use a postgresql+psycopg://... URL") from err

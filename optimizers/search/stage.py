@@ -19,7 +19,7 @@ the same count:
 
 Candidates are raced in waves: the examples of every live candidate share one pool of
 ``num_threads`` threads, rung by rung over one shuffled order of the valset, and after each rung the
-pruner (:mod:`~flowopt.optimizers.search.pruning`; default ``"confidence"``: paired test against the
+pruner (:mod:`~flowopt.optimizers.search.pruners`; default ``"confidence"``: paired test against the
 leader of whether the challenger's *whole-valset* score is below the leader's, pruned only when so at
 one-sided 90% (``alpha=0.1``; ``alpha=0.05`` for 95%), looking again every 5% of the valset) stops the
 candidates that are behind. Scores are
@@ -43,7 +43,6 @@ machines: see :mod:`~flowopt.optimizers.search.shared`.
 
 from __future__ import annotations
 
-import math
 import re
 import statistics
 from collections.abc import Mapping, Sequence
@@ -55,17 +54,14 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
-from flowopt.optimizers.search.pruning import (
-    ALPHA,
-    PRUNE_RULES,
-    first_look,
-    first_rung,
-    looks,
-    next_look,
-    rungs,
-    verdicts,
-    worse_than,
+from flowopt.optimizers.search.finalists import (
+    candidate_number,
+    close_finalists,
+    fresh_examples,
+    rescore_finalists,
 )
+from flowopt.optimizers.search.pruners import Look, Pruner, get_pruner, pruner_names
+from flowopt.optimizers.search.pruning import ALPHA, next_look
 from flowopt.optimizers.search.shared import run_shared
 from flowopt.optimizers.search.shared_storage import exclusive_run_dir, is_shared
 from flowopt.optimizers.search.space import CandidateSource, SearchSpace
@@ -84,9 +80,7 @@ from flowopt.optimizers.search.study import (
 from flowopt.settings import above, at_least, between, check_stage, one_of
 
 SAMPLERS = ("random", "tpe")
-PRUNERS = PRUNE_RULES
 WHY_PRUNED = "why_pruned"  # user attr: the pruner's reason, in words
-FRESH_CHUNKS, FRESH_CHUNK_MIN = 4, 8  # the finalists' fresh examples come in about 4 chunks of at least 8
 
 
 @dataclass(frozen=True)
@@ -112,23 +106,20 @@ class RandomSearch(Stage):
             candidates' demos are fewer.
         max_labeled_demos: labeled demos in each teacher, and the demo count seeded candidates are
             topped up to with labeled examples (DSPy's ``max_labeled_demos``).
+        metric_threshold: the score a bootstrapped trace must reach to become a demo (``None``: truthy).
         sampler: ``"random"`` or ``"tpe"``.
-        pruner: ``"confidence"`` (paired test against the leader: McNemar's exact test for 0/1
-            scores, a paired normal bound otherwise; prune when worse at one-sided ``1 - alpha``, 90%),
-            ``"stratified"`` (the confidence rule's looks, but the leader of each look is scored on
-            the whole valset at once and challengers are tested against the best fully scored
-            candidate, with the valset stratified by its 0/1 scores: an exact test at each look),
-            ``"anytime"`` (a betting test valid at every look, so it looks after every example:
-            a challenger at least as good as the leader on the whole valset is pruned with
-            probability at most ``alpha`` over all looks; scores in [0, 1]),
-            ``"halving"`` (keep the best ``1/reduction_factor`` of the challengers), ``"median"``
-            or ``"none"``. The incumbent is never pruned.
+        pruner: the name of a registered :class:`~flowopt.optimizers.search.pruners.Pruner`, each
+            documented on its class: ``"confidence"`` (paired test against the leader, prune when worse
+            at one-sided ``alpha``), ``"stratified"`` (tested against a fully scored reference),
+            ``"anytime"`` (a betting test valid at every look), ``"halving"`` (keep the best
+            ``1/reduction_factor`` of the challengers), ``"median"``, ``"none"``, or a user's own rule
+            (:func:`~flowopt.optimizers.search.pruners.register_pruner`). The incumbent is never pruned.
         alpha: the pruners' one-sided error level per decision, and the finalists' (default 0.1,
             :data:`~flowopt.optimizers.search.pruning.ALPHA`: each prune is a 10% test that the
             challenger's whole-valset score is below the leader's; ``"anytime"``: over all of a
             challenger's looks against one leader). ``alpha=0.05`` prunes a candidate that is not
-            worse half as often, for more LM calls (on the search benchmark: 0.55x BFRS(8)'s calls
-            instead of 0.49x, the same held-out score).
+            worse half as often, for more LM calls (measured in
+            ``benchmarks/results/search_generalisation.md``).
         reduction_factor: successive halving's eta.
         minibatch_size: valset examples in the first rung (``confidence``, ``anytime``: at least 20;
             the other rules: at least ``max(20, 25% of the valset)``); then ``confidence`` looks again
@@ -139,6 +130,7 @@ class RandomSearch(Stage):
         finalists: how many fully scored candidates to re-score against the winner's curse (0: off).
         instructions: extra candidate instructions per predictor name (``"*"``: every predictor).
         proposer_lm: an LM that writes ``n_proposals`` more instructions per predictor.
+        n_proposals: instructions ``proposer_lm`` writes per predictor.
         temperatures: temperatures to try per node (the current one is always a candidate).
         ensemble_n: sample counts to try for ``ScEnsemble`` nodes of a Workflow.
         storage: ``None`` (sqlite file ``run_dir/search.db``; in memory without a run_dir),
@@ -195,7 +187,7 @@ class RandomSearch(Stage):
             "finalists": at_least(0), "reduction_factor": at_least(2), "heartbeat_s": at_least(1),
             "wait_timeout_s": above(0.0), "seeded": at_least(0), "extra": at_least(0),
             "minibatch_size": at_least(1), "parallel": at_least(1), "study_max_lm_calls": at_least(1),
-            "alpha": above(0.0, 0.5), "sampler": one_of(*SAMPLERS), "pruner": one_of(*PRUNERS),
+            "alpha": above(0.0, 0.5), "sampler": one_of(*SAMPLERS), "pruner": one_of(*pruner_names()),
             "temperatures": between(0.0, 2.0), "ensemble_n": at_least(1),
         })
         if self.stale_after_s < 2 * self.heartbeat_s:  # a live worker must get two heartbeats in
@@ -215,15 +207,13 @@ class RandomSearch(Stage):
         """Whether any candidate may be sampled (so the space needs a demo pool)."""
         return self.n_candidates > 3 + self.seeded_count() or self.extra != 0
 
+    def pruning_rule(self) -> Pruner:
+        """The :class:`~flowopt.optimizers.search.pruners.Pruner` that ``pruner`` names, at this ``alpha``."""
+        return get_pruner(self.pruner)(alpha=self.alpha, reduction_factor=self.reduction_factor)
+
     def rung_ends(self, n: int) -> list[int]:
         """Where the rungs end on a valset of ``n`` examples (cumulative counts; the last is ``n``)."""
-        if self.pruner == "none":
-            return [n]
-        if self.pruner in ("confidence", "stratified"):
-            return looks(n, first_look(n, self.minibatch_size))
-        if self.pruner == "anytime":  # valid at every look: look after every example (next_look fills threads)
-            return looks(n, first_look(n, self.minibatch_size), every=1)
-        return rungs(n, first_rung(n, self.minibatch_size), 2.0)
+        return self.pruning_rule().rung_ends(n, self.minibatch_size)
 
     def scores_its_start(self) -> bool:
         """A shared search scores the incumbent (the program it starts from) on the whole valset as
@@ -256,7 +246,7 @@ class RandomSearch(Stage):
         try:
             while wave := next_wave(study, planned, width):
                 ctx.budget.check()
-                asked = [self._ask(study, space, program, ctx, number, previous) for number, previous in wave]
+                asked = [self.ask_candidate(study, space, program, ctx, number, previous) for number, previous in wave]
                 self.race(study, asked, order, ends, ctx)
                 bar.update(len(asked))
             extra_width = self.parallel or 4
@@ -266,7 +256,7 @@ class RandomSearch(Stage):
                 if not wave:
                     continue
                 ctx.budget.check()
-                asked = [self._ask(study, space, program, ctx, number, previous) for number, previous in wave]
+                asked = [self.ask_candidate(study, space, program, ctx, number, previous) for number, previous in wave]
                 self.race(study, asked, order, ends, ctx)
                 bar.update(len(asked))
         except BudgetExhausted as err:
@@ -275,7 +265,7 @@ class RandomSearch(Stage):
             bar.close()
         if space.pool_exhausted_by:
             stop_reason = f"budget: {space.pool_exhausted_by}"
-        return self._best(study, space, program, ctx, stop_reason, ends, n)
+        return self.pick_best(study, space, program, ctx, stop_reason, ends, n)
 
     def _extras_affordable(self, study: Any, planned: int, n_val: int, done: int, width: int,
                            ctx: StageContext) -> int:
@@ -293,7 +283,7 @@ class RandomSearch(Stage):
         room = remaining - n_val if remaining is not None else planned * n_val - spent
         return max(0, min(width, self.max_extra - done, int(room // max(1.0, per_candidate))))
 
-    def _ask(self, study: Any, space: SearchSpace, program: dspy.Module, ctx: StageContext, number: int,
+    def ask_candidate(self, study: Any, space: SearchSpace, program: dspy.Module, ctx: StageContext, number: int,
              previous: Any) -> tuple[Any, dspy.Module]:
         if previous is not None:  # rerun a candidate cut short by a kill with the parameters it had
             attrs = {k: v for k, v in previous.user_attrs.items() if k not in (INTERRUPTED, SCORES)}
@@ -321,6 +311,7 @@ class RandomSearch(Stage):
         earlier = study.get_trials(deepcopy=False) if len(ends) > 1 else []
         others = _earlier_scores(earlier, exclude=set(scores))
         incumbent = next((t.number for t in earlier if t.user_attrs.get("kind") == "incumbent"), None)
+        rule = self.pruning_rule()
         prev = 0
         try:
             while alive and prev < len(order):
@@ -337,12 +328,11 @@ class RandomSearch(Stage):
                     trial.report(_mean(scores[trial.number]), step=cum)
                 prev = cum
                 if cum < len(order):
-                    if self.pruner == "stratified":
+                    if rule.scores_leader_ahead:
                         self._score_leader_ahead(alive, scores, others, cum, order, ctx)
                     # Every candidate is scored on the rung before any is judged: verdicts don't depend on order.
                     live = {t.number: scores[t.number] for t, _ in alive}
-                    pruned = verdicts(self.pruner, live, others, cum, incumbent, reduction_factor=self.reduction_factor,
-                                      alpha=self.alpha, population=len(order))
+                    pruned = rule.prune(Look(live, others, cum, incumbent, population=len(order)))
                     for trial, candidate in alive:
                         if trial.number in pruned:
                             record_scores(trial, candidate, order, scores[trial.number], ctx)
@@ -376,56 +366,18 @@ class RandomSearch(Stage):
 
     def close_finalists(self, complete: list[Any]) -> list[Any]:
         """The fully scored trials (at most ``finalists``) the valset cannot tell from the leader, best first."""
-        ranked = sorted(complete, key=lambda t: (-t.value, t.user_attrs.get("candidate", t.number)))
-        leader = ranked[0].user_attrs[SCORES]
-        return [t for t in ranked[: max(1, self.finalists)]
-                if t is ranked[0] or not worse_than(t.user_attrs[SCORES], leader, self.alpha)]
+        return close_finalists(complete, self.finalists, self.alpha)
 
     @staticmethod
     def fresh_examples(programs: list[dspy.Module], ctx: StageContext) -> list[Any]:
         """The training examples the finalists are re-scored on: demos of none of ``programs``."""
-        shown = [d for p in programs for _, pred in p.named_predictors() for d in pred.demos]
-        return [e for e in ctx.trainset if not _is_shown(e, shown)][: max(1, len(ctx.valset) // 2)]
+        return fresh_examples(programs, ctx)
 
     def _finalists(self, complete: list[Any], space: CandidateSource, program: dspy.Module,
                    ctx: StageContext) -> list[dict[str, Any]]:
-        """Re-score the fully scored candidates the valset cannot tell from the leader on training
-        examples that are demos of none of them, a chunk at a time, only while their order is
-        uncertain: after each chunk a finalist shown worse (valset + fresh so far, the confidence
-        test) than the best one stops. The winner is the best by valset + fresh mean of those left."""
-        close = self.close_finalists(complete)
-        programs = [space.apply(program, t) for t in close]
-        fresh = self.fresh_examples(programs, ctx)
-        fresh_scores: list[list[float]] = [[] for _ in close]
-        left = list(range(len(close)))
-        stopped: dict[int, str] = {}
-        chunk = max(FRESH_CHUNK_MIN, math.ceil(len(fresh) / FRESH_CHUNKS))
-        try:
-            while len(left) > 1 and (done := len(fresh_scores[left[0]])) < len(fresh):
-                batch = fresh[done:done + chunk]
-                results = ctx.evaluate_many([(programs[i], batch) for i in left],
-                                            desc=f"{len(left)} finalists, fresh {done + len(batch)}/{len(fresh)}")
-                for i, result in zip(left, results):
-                    fresh_scores[i].extend(result.scores)
-                both = {i: [*close[i].user_attrs[SCORES], *fresh_scores[i]] for i in left}
-                best = max(left, key=lambda i: (sum(both[i]), -i))
-                for i in left:
-                    if i != best and worse_than(both[i], both[best], self.alpha):
-                        stopped[i] = (f"worse than candidate {_number(close[best])} on valset + {len(fresh_scores[i])} "
-                                      f"fresh examples at one-sided {self.alpha:.0%}")
-                left = [i for i in left if i not in stopped]
-        except BudgetExhausted:  # nothing fair to compare on: fall back to the valset alone
-            fresh_scores, left, stopped = [[] for _ in close], list(range(len(close))), {}
-        rows = []
-        for i, (trial, extra) in enumerate(zip(close, fresh_scores)):
-            val = trial.user_attrs[SCORES]
-            rows.append({"candidate": _number(trial), "kind": trial.user_attrs.get("kind"), "val": round(_mean(val), 6),
-                         "fresh": round(_mean(extra), 6) if extra else None, "fresh_n": len(extra),
-                         "combined": round(_mean([*val, *extra]), 6), "in_final": i in left,
-                         **({"stopped": stopped[i]} if i in stopped else {}), "trial": trial})
-        return rows
+        return rescore_finalists(self.close_finalists(complete), space, program, ctx, self.alpha)
 
-    def _best(self, study: Any, space: CandidateSource, program: dspy.Module, ctx: StageContext,
+    def pick_best(self, study: Any, space: CandidateSource, program: dspy.Module, ctx: StageContext,
               stop_reason: str, ends: list[int], n_val: int) -> dspy.Module:
         from optuna.trial import TrialState
 
@@ -459,21 +411,17 @@ class RandomSearch(Stage):
                    f"finalists the valset could not tell apart"
                    + (f" ({len(rows) - sum(r['in_final'] for r in rows)} stopped early, shown worse)"
                       if not all(r["in_final"] for r in rows) else ""))
-        ctx.record(best_candidate=_number(best), best_kind=best.user_attrs.get("kind"),
+        ctx.record(best_candidate=candidate_number(best), best_kind=best.user_attrs.get("kind"),
                    best_value=round(best.value, 6), why=why,
                    finalists=[{k: v for k, v in r.items() if k != "trial"} for r in rows],
-                   candidates=[_summary(t) for t in sorted(complete + pruned, key=_number)])
+                   candidates=[_summary(t) for t in sorted(complete + pruned, key=candidate_number)])
         return space.apply(program, best)
-
-
-def _number(trial: Any) -> int:
-    return int(trial.user_attrs.get("candidate", trial.number))
 
 
 def _summary(trial: Any) -> dict[str, Any]:
     """One candidate's line in the report: what it was, how far it was scored, and why it stopped."""
     values = trial.user_attrs.get(SCORES, [])
-    row = {"candidate": _number(trial), "kind": trial.user_attrs.get("kind"), "scored": len(values),
+    row = {"candidate": candidate_number(trial), "kind": trial.user_attrs.get("kind"), "scored": len(values),
            "mean": round(_mean(values), 4)}
     if WHY_PRUNED in trial.user_attrs:
         row["pruned"] = trial.user_attrs[WHY_PRUNED]
@@ -482,19 +430,13 @@ def _summary(trial: Any) -> dict[str, Any]:
 
 def _candidate_words(study: Any, reason: str) -> str:
     """The pruner names trials by their optuna number; the report names candidates."""
-    numbers = {t.number: _number(t) for t in study.get_trials(deepcopy=False)}
+    numbers = {t.number: candidate_number(t) for t in study.get_trials(deepcopy=False)}
     return re.sub(r"candidate (\d+)", lambda m: f"candidate {numbers.get(int(m.group(1)), m.group(1))}", reason)
 
 
 def _earlier_scores(trials: list[Any], exclude: set[int]) -> dict[int, list[float]]:
     """Per-example scores of finished (complete or pruned) trials of earlier waves."""
     return {t.number: list(t.user_attrs[SCORES]) for t in trials if SCORES in t.user_attrs and t.number not in exclude}
-
-
-def _is_shown(example: Any, demos: list[Any]) -> bool:
-    """Is ``example`` (its input fields) one of the ``demos``?"""
-    inputs = example.inputs().toDict()
-    return any(all(demo.get(k) == v for k, v in inputs.items()) for demo in demos)
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -6,6 +6,7 @@ Example:
     'structure'
 """
 
+from flowopt.optimizers.structure.checkpoint import Checkpointer, JsonCheckpoint
 from flowopt.optimizers.structure.edits import (
     AddProgrammer,
     AddRefine,
@@ -19,6 +20,7 @@ from flowopt.optimizers.structure.edits import (
     edit_from_dict,
     edit_kinds,
 )
+from flowopt.optimizers.structure.pareto import pareto_point, pick_point
 from flowopt.optimizers.structure.proposers import (
     LMProposer,
     NoProposal,
@@ -28,16 +30,9 @@ from flowopt.optimizers.structure.proposers import (
     RuleProposer,
     Vocabulary,
 )
-from flowopt.optimizers.structure.search import (
-    MCTS,
-    Evaluation,
-    JsonCheckpoint,
-    SearchResult,
-    SearchSettings,
-    pick_point,
-    replay,
-    replay_log,
-)
+from flowopt.optimizers.structure.result import Evaluation, SearchResult, as_evaluation, replay, replay_log
+from flowopt.optimizers.structure.search import MCTS
+from flowopt.optimizers.structure.search_settings import SearchSettings
 from flowopt.optimizers.structure.selection import mixed_probabilities
 from flowopt.optimizers.structure.stage import StructureSearch, pick
 from flowopt.optimizers.structure.tree import SearchTree, TreeNode
@@ -47,6 +42,7 @@ __all__ = [
     "AddProgrammer",
     "AddRefine",
     "AddRetrieve",
+    "Checkpointer",
     "Edit",
     "Evaluation",
     "InvalidEdit",
@@ -67,9 +63,11 @@ __all__ = [
     "TreeNode",
     "Vocabulary",
     "WrapEnsemble",
+    "as_evaluation",
     "edit_from_dict",
     "edit_kinds",
     "mixed_probabilities",
+    "pareto_point",
     "pick",
     "pick_point",
     "replay",

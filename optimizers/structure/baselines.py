@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flowopt.optimizers.structure.proposers import NoProposal, ProposalContext, RuleProposer
-from flowopt.optimizers.structure.search import _as_evaluation
+from flowopt.optimizers.structure.result import as_evaluation
 from flowopt.optimizers.structure.tree import workflow_key
 from flowopt.workflow import Workflow
 
@@ -44,7 +44,7 @@ class _Scorer:
     def __call__(self, workflow: Workflow) -> float:
         key = workflow_key(workflow.canonical_json())
         if key not in self.scores:
-            self.scores[key] = _as_evaluation(self.evaluate(workflow)).score
+            self.scores[key] = as_evaluation(self.evaluate(workflow)).score
             self.trace.append((len(self.trace) + 1, self.scores[key]))
             if self.best is None or self.scores[key] > self.best[0]:
                 self.best = (self.scores[key], workflow)

@@ -18,8 +18,24 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from flowopt.errors import FlowoptError, WorkflowError
+from flowopt.optimizers.structure.graph_ir import (
+    IR,
+    SELECT_INSTRUCTION,
+    add_map,
+    ancestors_of,
+    consumers_of,
+    delete_node,
+    drop_map,
+    find_node,
+    is_selector,
+    move_consumers,
+    new_node,
+    pass_through,
+    replace_op,
+    sources_of,
+    unique_id,
+)
 from flowopt.registry import get_operator
-from flowopt.signature import SignatureSpec
 from flowopt.workflow import INPUT, OUTPUT, Workflow
 
 # Operators over the same signature that answer with one LM call (or a vote of them): any can become
@@ -28,13 +44,6 @@ SWAPPABLE = ("Predict", "ChainOfThought")
 ENSEMBLE = "ScEnsemble"
 # Operators whose single LM answer can be sampled, refined or checked by a program.
 ANSWERING = ("Predict", "ChainOfThought", "ScEnsemble", "Custom")
-SELECT_INSTRUCTION = (
-    "Several candidate answers to the same inputs follow, one from step-by-step reasoning and one from "
-    "running a program (empty when the program failed). Pick the candidate most likely correct and "
-    "give it as the final answer."
-)
-
-IR = dict[str, Any]
 _EDIT_KINDS: dict[str, type[Edit]] = {}
 
 
@@ -100,7 +109,7 @@ class Edit(abc.ABC):
         Raises :class:`InvalidEdit` when a precondition of the edit fails.
         """
         data = copy.deepcopy(ir)
-        node = _find(data, self.node)
+        node = find_node(data, self.node)
         if node is None:
             raise InvalidEdit(self, f"no node {self.node!r} (nodes: {[n['id'] for n in data['nodes']]})",
                               node=self.node)
@@ -170,7 +179,7 @@ class SwapOperator(Edit):
         if node["op"] == self.op:
             raise InvalidEdit(self, f"node is already {self.op}", node=self.node)
         config = {k: v for k, v in node["config"].items() if k == "temperature" and node["op"] != ENSEMBLE}
-        _replace_op(node, self.op, config)
+        replace_op(node, self.op, config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +197,7 @@ class WrapEnsemble(Edit):
             raise InvalidEdit(self, f"only {SWAPPABLE} nodes can be wrapped, node is {node['op']}", node=self.node)
         if not isinstance(self.n, int) or not 2 <= self.n <= 15:
             raise InvalidEdit(self, f"n must be an int in 2..15, got {self.n!r}", node=self.node)
-        _replace_op(node, "ScEnsemble", {"n": self.n, "select": "majority"})
+        replace_op(node, "ScEnsemble", {"n": self.n, "select": "majority"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,23 +218,23 @@ class AddRefine(Edit):
         if node["op"] not in ANSWERING:
             raise InvalidEdit(self, f"Refine follows an answering node {ANSWERING}, node is {node['op']}",
                               node=self.node)
-        consumers = _consumers(data, self.node)
-        if any((found := _find(data, dst)) is not None and found["op"] == "Refine" for dst, _, _ in consumers):
+        consumers = consumers_of(data, self.node)
+        if any((found := find_node(data, dst)) is not None and found["op"] == "Refine" for dst, _, _ in consumers):
             raise InvalidEdit(self, "the node is already followed by a Refine; raise its max_rounds instead",
                               node=self.node)
         sig = node["signature"]
         inputs = [dict(f) for f in sig["inputs"]]
         drafts = [{"name": f"draft_{f['name']}", "type": f["type"], "desc": ""} for f in sig["outputs"]]
-        new_id = _new_id(data, f"{self.node}_refine")
-        data["nodes"].append(_node(new_id, "Refine", {"instructions": "", "inputs": inputs + drafts,
+        new_id = unique_id(data, f"{self.node}_refine")
+        data["nodes"].append(new_node(new_id, "Refine", {"instructions": "", "inputs": inputs + drafts,
                                                        "outputs": [dict(f) for f in sig["outputs"]]},
                                    {"max_rounds": self.max_rounds}, node.get("lm")))
         for out in sig["outputs"]:
-            _move_consumers(data, self.node, out["name"], new_id, out["name"])
-        for field, (src, src_field) in _sources(data, self.node).items():
-            _add_map(data, src, new_id, src_field, field)
+            move_consumers(data, self.node, out["name"], new_id, out["name"])
+        for field, (src, src_field) in sources_of(data, self.node).items():
+            add_map(data, src, new_id, src_field, field)
         for out in sig["outputs"]:
-            _add_map(data, self.node, new_id, out["name"], f"draft_{out['name']}")
+            add_map(data, self.node, new_id, out["name"], f"draft_{out['name']}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +253,7 @@ class AddProgrammer(Edit):
 
     def _transform(self, data: IR, node: IR) -> None:
         sig = node["signature"]
-        if node["op"] not in ANSWERING or _is_selector(node):
+        if node["op"] not in ANSWERING or is_selector(node):
             raise InvalidEdit(self, f"a Programmer branch goes beside an answering node {ANSWERING} that is "
                                     f"not itself a selector; node is {node['op']}", node=self.node)
         if len(sig["outputs"]) != 1 or sig["outputs"][0]["type"] not in ("str", "Any"):
@@ -252,23 +261,23 @@ class AddProgrammer(Edit):
                               node=self.node)
         out = sig["outputs"][0]["name"]
         inputs = [dict(f) for f in sig["inputs"]]
-        code_id = _new_id(data, f"{self.node}_code")
-        data["nodes"].append(_node(code_id, "Programmer",
+        code_id = unique_id(data, f"{self.node}_code")
+        data["nodes"].append(new_node(code_id, "Programmer",
                                    {"instructions": "", "inputs": inputs, "outputs": [dict(sig["outputs"][0])]},
                                    {"timeout_s": 5.0, "memory_mb": 512, "max_attempts": 2, "on_failure": "empty"},
                                    node.get("lm")))
-        select_id = _new_id(data, f"{self.node}_select")
+        select_id = unique_id(data, f"{self.node}_select")
         candidates = [{"name": f"candidate_{out}", "type": "str", "desc": "answer from reasoning"},
                       {"name": f"program_{out}", "type": "str", "desc": "answer printed by a program"}]
-        data["nodes"].append(_node(select_id, "Custom",
+        data["nodes"].append(new_node(select_id, "Custom",
                                    {"instructions": SELECT_INSTRUCTION, "inputs": inputs + candidates,
                                     "outputs": [dict(sig["outputs"][0])]}, {}, node.get("lm")))
-        _move_consumers(data, self.node, out, select_id, out)
-        for field, (src, src_field) in _sources(data, self.node).items():
-            _add_map(data, src, code_id, src_field, field)
-            _add_map(data, src, select_id, src_field, field)
-        _add_map(data, self.node, select_id, out, f"candidate_{out}")
-        _add_map(data, code_id, select_id, out, f"program_{out}")
+        move_consumers(data, self.node, out, select_id, out)
+        for field, (src, src_field) in sources_of(data, self.node).items():
+            add_map(data, src, code_id, src_field, field)
+            add_map(data, src, select_id, src_field, field)
+        add_map(data, self.node, select_id, out, f"candidate_{out}")
+        add_map(data, code_id, select_id, out, f"program_{out}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,23 +300,23 @@ class AddRetrieve(Edit):
         if query is None or context is None:
             raise InvalidEdit(self, "Retrieve needs a node with a str input (the query) and a list[str] "
                                     "context input", node=self.node)
-        sources = _sources(data, self.node)
+        sources = sources_of(data, self.node)
         ctx_src = sources[context["name"]]
-        src_node = _find(data, ctx_src[0])
+        src_node = find_node(data, ctx_src[0])
         if src_node is not None and src_node["op"] == "Retrieve":
             raise InvalidEdit(self, "the context already comes from a Retrieve; change its k instead",
                               node=self.node)
         if not isinstance(self.k, int) or self.k < 1:
             raise InvalidEdit(self, f"k must be an int >= 1, got {self.k!r}", node=self.node)
-        new_id = _new_id(data, f"{self.node}_retrieve")
-        data["nodes"].append(_node(new_id, "Retrieve",
+        new_id = unique_id(data, f"{self.node}_retrieve")
+        data["nodes"].append(new_node(new_id, "Retrieve",
                                    {"instructions": "", "inputs": [dict(query), dict(context)],
                                     "outputs": [{"name": "passages", "type": "list[str]", "desc": ""}]},
                                    {"k": self.k}, None))
-        _drop_map(data, ctx_src[0], self.node, context["name"])
-        _add_map(data, sources[query["name"]][0], new_id, sources[query["name"]][1], query["name"])
-        _add_map(data, ctx_src[0], new_id, ctx_src[1], context["name"])
-        _add_map(data, new_id, self.node, "passages", context["name"])
+        drop_map(data, ctx_src[0], self.node, context["name"])
+        add_map(data, sources[query["name"]][0], new_id, sources[query["name"]][1], query["name"])
+        add_map(data, ctx_src[0], new_id, ctx_src[1], context["name"])
+        add_map(data, new_id, self.node, "passages", context["name"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,25 +336,25 @@ class RemoveNode(Edit):
     def _transform(self, data: IR, node: IR) -> None:
         if len(data["nodes"]) <= 1:
             raise InvalidEdit(self, "it is the only node", node=self.node)
-        sources = _sources(data, self.node)
+        sources = sources_of(data, self.node)
         replacement: dict[str, tuple[str, str]] = {}
-        for dst, src_field, _dst_field in _consumers(data, self.node):
+        for dst, src_field, _dst_field in consumers_of(data, self.node):
             if src_field in replacement:
                 continue
             field = next(f for f in node["signature"]["outputs"] if f["name"] == src_field)
-            via = _pass_through(node["signature"]["inputs"], field)
+            via = pass_through(node["signature"]["inputs"], field)
             if via is None or via not in sources:
                 raise InvalidEdit(self, f"nothing can replace its output {src_field!r} read by {dst}",
                                   node=self.node)
             replacement[src_field] = sources[via]
-        ancestors = _ancestors(data, self.node)
+        ancestors = ancestors_of(data, self.node)
         for src_field, (src, new_field) in replacement.items():
-            _move_consumers(data, self.node, src_field, src, new_field)
-        _delete_node(data, self.node)
+            move_consumers(data, self.node, src_field, src, new_field)
+        delete_node(data, self.node)
         # Nodes that only fed the removed one are now dead: drop them so the graph stays minimal.
-        live = _ancestors(data, OUTPUT)
+        live = ancestors_of(data, OUTPUT)
         for dead in [n for n in ancestors if n not in live and n != INPUT]:
-            _delete_node(data, dead)
+            delete_node(data, dead)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,109 +383,3 @@ def settable_keys(op: str) -> list[str]:
     params = inspect.signature(get_operator(op).__init__).parameters.values()
     skip = {"corpus", "instruction", "vote_field", "on_failure", "select"}
     return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in skip]
-
-
-# ------------------------------------------------------------------------------- IR helpers
-def _find(data: IR, node_id: str) -> IR | None:
-    return next((n for n in data["nodes"] if n["id"] == node_id), None)
-
-
-def _node(node_id: str, op: str, signature: IR, config: IR, lm: str | None) -> IR:
-    return {"id": node_id, "op": op, "signature": signature, "config": config, "lm": lm, "predictors": {}}
-
-
-def _new_id(data: IR, base: str) -> str:
-    taken = {n["id"] for n in data["nodes"]}
-    candidate, i = base, 2
-    while candidate in taken:
-        candidate, i = f"{base}{i}", i + 1
-    return candidate
-
-
-def _is_selector(node: IR) -> bool:
-    return node["op"] == "Custom" and node["signature"].get("instructions") == SELECT_INSTRUCTION
-
-
-def _replace_op(node: IR, op: str, config: IR) -> None:
-    """Change a node's operator in place, moving its main predictor's demos to the new operator."""
-    old: dict[str, Any] = node.get("predictors") or {}
-    main: dict[str, Any] = next(iter(old.values()), {})
-    demos = main.get("demos", [])
-    spec = SignatureSpec.from_dict(node["signature"], node=node["id"])
-    fresh = get_operator(op).from_config(spec, dict(config), node=node["id"])
-    main = fresh.named_predictors()[0][0]
-    node["op"], node["config"] = op, config
-    node["predictors"] = {main: {"demos": demos}} if demos else {}
-
-
-def _sources(data: IR, node_id: str) -> dict[str, tuple[str, str]]:
-    return {dst_f: (e["src"], src_f) for e in data["edges"] if e["dst"] == node_id
-            for src_f, dst_f in e["map"].items()}
-
-
-def _consumers(data: IR, node_id: str) -> list[tuple[str, str, str]]:
-    return [(e["dst"], src_f, dst_f) for e in data["edges"] if e["src"] == node_id
-            for src_f, dst_f in e["map"].items()]
-
-
-def _add_map(data: IR, src: str, dst: str, src_field: str, dst_field: str) -> None:
-    edge = next((e for e in data["edges"] if e["src"] == src and e["dst"] == dst), None)
-    if edge is None:
-        data["edges"].append({"src": src, "dst": dst, "map": {src_field: dst_field}})
-    elif src_field in edge["map"] and edge["map"][src_field] != dst_field:
-        # A map is keyed by source field; one source field feeding two inputs of the same node
-        # cannot be stored, so the IR refuses it rather than silently dropping one.
-        raise WorkflowError(f"{src}.{src_field} would feed two inputs of {dst}", node=dst, field=dst_field,
-                            fix="choose another edit")
-    else:
-        edge["map"][src_field] = dst_field
-
-
-def _drop_map(data: IR, src: str, dst: str, dst_field: str) -> None:
-    for edge in data["edges"]:
-        if edge["src"] == src and edge["dst"] == dst:
-            edge["map"] = {s: d for s, d in edge["map"].items() if d != dst_field}
-    data["edges"] = [e for e in data["edges"] if e["map"]]
-
-
-def _move_consumers(data: IR, old_src: str, old_field: str, new_src: str, new_field: str) -> None:
-    """Every edge reading ``old_src.old_field`` reads ``new_src.new_field`` instead."""
-    moves: list[tuple[str, str]] = []
-    for edge in data["edges"]:
-        if edge["src"] == old_src and old_field in edge["map"] and edge["dst"] != new_src:
-            moves.append((edge["dst"], edge["map"].pop(old_field)))
-    data["edges"] = [e for e in data["edges"] if e["map"]]
-    for dst, dst_field in moves:
-        _add_map(data, new_src, dst, new_field, dst_field)
-
-
-def _pass_through(inputs: list[IR], out: IR) -> str | None:
-    same_name = next((f["name"] for f in inputs if f["name"] == out["name"]), None)
-    if same_name:
-        return same_name
-    if any(f["name"] == f"draft_{out['name']}" for f in inputs):  # a Refine: back to its draft
-        return f"draft_{out['name']}"
-    suffixed = next((f["name"] for f in inputs if f["name"].endswith(f"_{out['name']}")), None)
-    if suffixed:
-        return suffixed
-    same_type = [f["name"] for f in inputs if f["type"] == out["type"]]
-    return same_type[0] if len(same_type) == 1 and out["type"] != "str" else None
-
-
-def _ancestors(data: IR, node_id: str) -> set[str]:
-    parents: dict[str, set[str]] = {}
-    for edge in data["edges"]:
-        parents.setdefault(edge["dst"], set()).add(edge["src"])
-    seen: set[str] = set()
-    stack = [node_id]
-    while stack:
-        for parent in parents.get(stack.pop(), ()):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
-
-
-def _delete_node(data: IR, node_id: str) -> None:
-    data["nodes"] = [n for n in data["nodes"] if n["id"] != node_id]
-    data["edges"] = [e for e in data["edges"] if node_id not in (e["src"], e["dst"])]

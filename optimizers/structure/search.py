@@ -30,179 +30,25 @@ repeats and finals included), convergence, an exhausted tree, or the budget. Aft
 state is checkpointed, so a search killed at any point and resumed with the same seed ends exactly as an
 uninterrupted one.
 """
-
 from __future__ import annotations
 
-import json
 import logging
-import math
 import random
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from typing import Any
 
 from flowopt.errors import BudgetExhausted, ConfigError
-from flowopt.io import atomic_write_json
-from flowopt.optimizers.structure.edits import Edit, edit_from_dict
+from flowopt.optimizers.structure.checkpoint import CHECKPOINT_VERSION, Checkpointer, state_to_dict
+from flowopt.optimizers.structure.edits import edit_from_dict
 from flowopt.optimizers.structure.proposers import NoProposal, ProposalContext, Proposer
+from flowopt.optimizers.structure.result import Evaluator, SearchResult, as_evaluation
+from flowopt.optimizers.structure.search_settings import SearchSettings
 from flowopt.optimizers.structure.selection import select_best_first, select_climb, select_mixed, select_uct
 from flowopt.optimizers.structure.tree import SearchTree, TreeNode, interval_half_width, ir_key, workflow_key
-from flowopt.settings import above, at_least, between, check_stage, one_of
 from flowopt.workflow import Workflow
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_VERSION = 3
-SELECTIONS = ("auto", "climb", "best_first", "mixed", "uct")
-OBJECTIVES = ("score", "penalised", "pareto")
-
-
-@dataclass
-class Evaluation:
-    """A workflow's score on the search split, and a few examples it failed (shown to LM proposers).
-
-    ``scores`` (one per example) give the node's confidence interval; ``cost`` is what one example cost
-    on average (``{"lm_calls": ..., "tokens": ...}``).
-    """
-
-    score: float
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    scores: list[float] | None = None
-    cost: dict[str, float] = field(default_factory=dict)
-
-
-Evaluator = Callable[[Workflow], "float | Evaluation | Any"]
-
-
-class Checkpointer(Protocol):
-    def save(self, data: dict[str, Any]) -> None: ...
-
-    def load(self) -> dict[str, Any] | None: ...
-
-
-class JsonCheckpoint:
-    """Keeps the search state in one JSON file, written atomically.
-
-    Example:
-        >>> import tempfile, pathlib
-        >>> ckpt = JsonCheckpoint(pathlib.Path(tempfile.mkdtemp()) / "tree.json")
-        >>> ckpt.load() is None
-        True
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-
-    def save(self, data: dict[str, Any]) -> None:
-        atomic_write_json(self.path, data)
-
-    def load(self) -> dict[str, Any] | None:
-        if not self.path.is_file():
-            return None
-        return json.loads(self.path.read_text(encoding="utf-8"))
-
-
-@dataclass(frozen=True)
-class SearchSettings:
-    """Settings of :class:`MCTS`; bad values raise :class:`~flowopt.errors.ConfigError` with the fix.
-
-    Example:
-        >>> SearchSettings(max_rounds=10, selection="uct").selection
-        'uct'
-    """
-
-    max_rounds: int = 20
-    selection: str = "auto"
-    explore: float = 0.0
-    top_k: int = 4
-    alpha: float = 0.2
-    lambda_: float = 0.3
-    uct_c: float = 1.4
-    widen: float = 1.0
-    convergence_rounds: int | None = 8
-    convergence_eps: float = 1e-4
-    repeats: int = 1
-    max_evaluations: int | None = None
-    final_top: int = 0
-    final_repeats: int = 1
-    objective: str = "score"
-    cost_weight: float = 0.0
-    confirm: int = 1
-
-    def __post_init__(self) -> None:
-        check_stage(self, {
-            "max_rounds": at_least(1), "selection": one_of(*SELECTIONS), "explore": between(0.0, 1.0),
-            "top_k": at_least(1), "alpha": at_least(0.0), "lambda_": between(0.0, 1.0), "uct_c": at_least(0.0),
-            "widen": above(0.0), "convergence_rounds": at_least(1), "convergence_eps": at_least(0.0),
-            "repeats": at_least(1), "max_evaluations": at_least(1), "final_top": at_least(0),
-            "final_repeats": at_least(1), "objective": one_of(*OBJECTIVES), "cost_weight": at_least(0.0),
-            "confirm": at_least(1),
-        })
-
-    def resolved_selection(self) -> str:
-        """The selection a search runs: ``selection``, with ``auto`` read as ``best_first`` when leaders
-        are re-measured (``confirm`` > 1, i.e. under noise) and as ``climb`` otherwise.
-
-        Example:
-            >>> SearchSettings().resolved_selection(), SearchSettings(confirm=3).resolved_selection()
-            ('climb', 'best_first')
-        """
-        if self.selection != "auto":
-            return self.selection
-        return "best_first" if self.confirm > 1 else "climb"
-
-
-@dataclass
-class SearchResult:
-    """The best workflow found, the edits that lead to it from the initial one, and the whole tree."""
-
-    best: Workflow
-    best_score: float  # as measured during the search (its mean)
-    best_node: int
-    edits: list[Edit]
-    tree: SearchTree
-    log: list[dict[str, Any]]
-    rounds: int
-    evaluations: int
-    stop_reason: str
-    best_interval: tuple[float, float] = (0.0, 0.0)  # 95% interval of the returned workflow's score
-    remeasured: dict[str, Any] | None = None  # {"score", "interval", "n"} on fresh examples, if finals ran
-    finalists: list[dict[str, Any]] = field(default_factory=list)
-
-    def front(self) -> list[dict[str, Any]]:
-        """The score/LM-calls Pareto front (fewest calls first), as report points (see :func:`pareto_point`)."""
-        return [pareto_point(n, with_workflow=True) for n in self.tree.pareto_front()]
-
-    def pick(self, *, max_calls: float | None = None, max_tokens: float | None = None) -> Workflow:
-        """The best-scoring workflow of the front within a cost limit (LM calls and/or tokens per example).
-
-        Example (a toy evaluator: each node adds 0.1 to the score and one LM call per example):
-            >>> from flowopt import Workflow
-            >>> from flowopt.modules import Predict
-            >>> from flowopt.optimizers.structure import MCTS, Evaluation, RuleProposer, SearchSettings
-            >>> wf = Workflow("question -> answer").add("solve", Predict("question -> answer"))
-            >>> toy = lambda w: Evaluation(0.5 + 0.1 * len(w.nodes), cost={"lm_calls": float(len(w.nodes))})
-            >>> result = MCTS(RuleProposer(), toy, SearchSettings(max_rounds=6, objective="pareto")).run(wf)
-            >>> len(result.pick(max_calls=2).nodes) <= 2
-            True
-        """
-        point = pick_point(self.front(), max_calls=max_calls, max_tokens=max_tokens)
-        return self._rebuild(point["workflow"])
-
-    def _rebuild(self, ir: dict[str, Any]) -> Workflow:
-        wf = Workflow.from_dict(ir)
-        wf.lms.update({k: v for k, v in self.best.lms.items() if k in wf.lms})
-        return wf
-
-    def summary(self) -> dict[str, Any]:
-        best = self.tree.nodes[self.best_node]
-        return {"best_score": self.best_score, "best_interval": list(self.best_interval),
-                "remeasured": self.remeasured, "best_cost": dict(best.cost), "best_node": self.best_node,
-                "edits": [e.to_dict() for e in self.edits], "edit_descriptions": [e.describe() for e in self.edits],
-                "rounds": self.rounds, "evaluations": self.evaluations, "stop_reason": self.stop_reason,
-                "finalists": self.finalists,
-                "pareto_front": [pareto_point(n) for n in self.tree.pareto_front()]}
 
 
 class MCTS:
@@ -385,7 +231,7 @@ class MCTS:
         failures: list[dict[str, Any]] = []
         costs: list[dict[str, float]] = []
         for _ in range(self.settings.repeats):
-            result = _as_evaluation(self.evaluate(workflow))
+            result = as_evaluation(self.evaluate(workflow))
             state["evaluations"] += 1
             node.record(list(result.scores) if result.scores else [result.score])
             failures = failures or result.failures
@@ -431,7 +277,7 @@ class MCTS:
         def measure(node: TreeNode, times: int) -> None:
             nonlocal budget
             for _ in range(times):
-                result = _as_evaluation(self.final_evaluate(self._workflow(node)))
+                result = as_evaluation(self.final_evaluate(self._workflow(node)))
                 state["evaluations"] += 1
                 budget -= 1
                 values = list(result.scores) if result.scores else [result.score]
@@ -540,71 +386,6 @@ class MCTS:
         self.checkpoint.save(state_to_dict(state, self.seed, self.settings))
 
 
-def state_to_dict(state: Mapping[str, Any], seed: int, settings: SearchSettings) -> dict[str, Any]:
-    return {"version": CHECKPOINT_VERSION, "seed": seed, "settings": asdict(settings),
-            "round": state["round"], "evaluations": state["evaluations"], "history": list(state["history"]),
-            "climb": list(state["climb"]),
-            "log": list(state["log"]), "failures": dict(state["failures"]), "rng": list(state["rng"].getstate()),
-            "tree": state["tree"].to_dict()}
-
-
-def replay(program: Workflow, edits: Sequence[Edit | Mapping[str, Any]]) -> Workflow:
-    """Apply a sequence of edits (objects or their dicts, e.g. from a search log) to ``program``.
-
-    Example:
-        >>> from flowopt import Workflow
-        >>> from flowopt.modules import Predict
-        >>> wf = Workflow("question -> answer").add("solve", Predict("question -> answer"))
-        >>> replay(wf, [{"kind": "wrap_ensemble", "node": "solve", "n": 3}]).nodes["solve"].op_name
-        'ScEnsemble'
-    """
-    current = program
-    for edit in edits:
-        current = (edit if isinstance(edit, Edit) else edit_from_dict(edit)).apply(current)
-    return current
-
-
-def replay_log(program: Workflow, log: Sequence[Mapping[str, Any]]) -> dict[int, Workflow]:
-    """Rebuild every tree node's workflow from a search log (node id -> workflow), checking each edit."""
-    workflows = {0: program}
-    for event in log:
-        if event.get("event") == "expand":
-            workflows[event["child"]] = replay(workflows[event["parent"]], [event["edit"]])
-    return workflows
-
-
-def pareto_point(node: TreeNode, *, with_workflow: bool = False) -> dict[str, Any]:
-    """One point of the score/cost front, for reports: the node, its score, interval and cost (and its
-    workflow's IR, so that a point can be picked later)."""
-    point: dict[str, Any] = {"node": node.id, "score": node.score, "interval": list(node.interval), **node.cost,
-                             "description": node.description}
-    if with_workflow:
-        point["workflow"] = node.workflow
-    return point
-
-
-def pick_point(front: Sequence[Mapping[str, Any]], *, max_calls: float | None = None,
-               max_tokens: float | None = None) -> Mapping[str, Any]:
-    """The highest-scoring point of ``front`` with ``lm_calls <= max_calls`` and ``tokens <= max_tokens``.
-
-    Example:
-        >>> front = [{"score": 0.6, "lm_calls": 1.0}, {"score": 0.8, "lm_calls": 5.0}]
-        >>> pick_point(front, max_calls=3)["score"]
-        0.6
-    """
-    if not front:
-        raise ConfigError("there is no score/cost front to pick from (no candidate reported its cost)",
-                          fix="run the search with an evaluator that reports cost={'lm_calls': ...}")
-    limits = {"lm_calls": max_calls, "tokens": max_tokens}
-    fits = [p for p in front if all(v is None or p.get(k, math.inf) <= v for k, v in limits.items())]
-    if not fits:
-        cheapest = min(front, key=lambda p: p.get("lm_calls", math.inf))
-        raise ConfigError(f"no point of the front fits max_calls={max_calls}, max_tokens={max_tokens}; the "
-                          f"cheapest takes {cheapest.get('lm_calls')} LM calls and {cheapest.get('tokens')} tokens "
-                          "per example", fix="raise the limit")
-    return max(fits, key=lambda p: (p["score"], -p.get("lm_calls", 0.0)))
-
-
 def _upper(node: TreeNode) -> float:
     """A finalist's objective plus half its 95% interval over all its measurements."""
     return float(node.final["value"] + node.final["pooled_half"])  # type: ignore[index]
@@ -612,17 +393,3 @@ def _upper(node: TreeNode) -> float:
 
 def _lower(node: TreeNode) -> float:
     return float(node.final["value"] - node.final["pooled_half"])  # type: ignore[index]
-
-
-def _as_evaluation(value: Any) -> Evaluation:
-    if isinstance(value, Evaluation):
-        return value
-    if isinstance(value, int | float):
-        return Evaluation(float(value))
-    score = getattr(value, "score", None)
-    if isinstance(score, int | float):
-        scores = getattr(value, "scores", None)
-        return Evaluation(float(score), list(getattr(value, "failures", []) or []),
-                          [float(x) for x in scores] if scores else None, dict(getattr(value, "cost", {}) or {}))
-    raise ConfigError(f"the evaluator returned {value!r}, not a score",
-                      fix="return a float in 0..1, an Evaluation, or an object with .score")

@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import dspy
 
-from flowopt.compiler.stage import Stage
+from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError, LMError
+from flowopt.optimizers.structure.pareto import pareto_point, pick_point
 from flowopt.optimizers.structure.proposers import LMProposer, Proposer, RuleProposer, Vocabulary
-from flowopt.optimizers.structure.search import (
-    MCTS,
-    OBJECTIVES,
-    SELECTIONS,
-    Evaluation,
-    SearchSettings,
-    pareto_point,
-    pick_point,
-)
+from flowopt.optimizers.structure.result import Evaluation
+from flowopt.optimizers.structure.search import MCTS
+from flowopt.optimizers.structure.search_settings import SearchSettings
 from flowopt.settings import at_least, between, check_stage, one_of
 from flowopt.workflow import Workflow
 
@@ -30,7 +27,12 @@ logger = logging.getLogger(__name__)
 SPLITS = ("trainset", "valset")
 
 
-@dataclass(frozen=True)
+#: The stage's search settings unless told otherwise: three finalists re-measured on fresh examples.
+DEFAULT_SEARCH = SearchSettings(final_top=3)
+SEARCH_FIELDS = frozenset(f.name for f in dataclasses.fields(SearchSettings))
+
+
+@dataclass(frozen=True, init=False)
 class StructureSearch(Stage):
     """Search the workflow's structure: select a node of the tree, apply one edit, score it, repeat.
 
@@ -54,27 +56,32 @@ class StructureSearch(Stage):
         best = flowopt.compile(wf, train, metric, stages=[StructureSearch(objective="pareto")])
         cheap = pick(best, max_calls=3)   # the best workflow of the front at <= 3 LM calls per example
 
+    Settings:
+        search: the tree search's :class:`~flowopt.optimizers.structure.search_settings.SearchSettings`
+            (default: ``SearchSettings(final_top=3)``), each documented there. Its fields may also be
+            passed by name (``StructureSearch(max_rounds=10)``) or as a mapping (``search={...}``).
+        proposer: ``"rule"`` (enumerate edits) or ``"lm"`` (ask ``optimizer_lm``).
+        optimizer_lm: the LM that proposes edits for ``proposer="lm"`` (default: the configured one).
+        max_attempts: the LM proposer's tries per edit (a malformed or invalid edit is asked again).
+        max_nodes: the largest workflow an edit may produce (nodes).
+        edit_kinds: the edit kinds to propose (default: all of them).
+        ensemble_sizes: sample counts a ``wrap_ensemble`` edit may choose.
+        refine_rounds: round counts an ``add_refine`` edit may choose.
+        split: the examples candidates are scored on: ``"trainset"`` or ``"valset"``.
+        max_examples: search examples (the rest of the split are the finalists' fresh examples;
+            ``None``: all but a held-out quarter when there are finals).
+        draw: draw ``tree.png`` and ``pareto.png`` in the stage folder.
+
     Example:
         >>> from flowopt.optimizers.structure import StructureSearch
         >>> StructureSearch(max_rounds=10, selection="uct").settings()["selection"]
         'uct'
+        >>> StructureSearch(max_rounds=10).search.final_top
+        3
     """
 
     name: ClassVar[str] = "structure"
-    max_rounds: int = 20
-    max_evaluations: int | None = None
-    selection: str = "auto"
-    explore: float = 0.0
-    top_k: int = 4
-    alpha: float = 0.2
-    lambda_: float = 0.3
-    uct_c: float = 1.4
-    convergence_rounds: int | None = 8
-    repeats: int = 1
-    final_top: int = 3
-    final_repeats: int = 1
-    objective: str = "score"
-    cost_weight: float = 0.0
+    search: SearchSettings = DEFAULT_SEARCH
     proposer: str = "rule"
     optimizer_lm: Any = None
     max_attempts: int = 3
@@ -86,26 +93,41 @@ class StructureSearch(Stage):
     max_examples: int | None = None
     draw: bool = True
 
+    def __init__(self, search: SearchSettings | Mapping[str, Any] | None = None, **settings: Any) -> None:
+        own = {f.name: f.default for f in dataclasses.fields(self) if f.name != "search"}
+        searched = {f.name for f in dataclasses.fields(SearchSettings)}
+        unknown = sorted(set(settings) - set(own) - searched)
+        if unknown:  # compile turns this into a ConfigError naming the stage
+            raise TypeError(f"StructureSearch got unexpected settings {unknown}")
+        if search is not None and not isinstance(search, SearchSettings | Mapping):
+            raise ConfigError(f"StructureSearch search must be a SearchSettings or a mapping, got {search!r}",
+                              fix="pass search=SearchSettings(max_rounds=20), or the settings by name")
+        base = search if isinstance(search, SearchSettings) else DEFAULT_SEARCH
+        flat = {**(search if isinstance(search, Mapping) else {}), **{k: settings[k] for k in searched & set(settings)}}
+        object.__setattr__(self, "search", dataclasses.replace(base, **flat) if flat else base)
+        for name, default in own.items():
+            object.__setattr__(self, name, settings.get(name, default))
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         check_stage(self, {
-            "max_rounds": at_least(1), "max_evaluations": at_least(1), "selection": one_of(*SELECTIONS),
-            "explore": between(0.0, 1.0), "final_top": at_least(0), "final_repeats": at_least(1),
-            "objective": one_of(*OBJECTIVES), "cost_weight": at_least(0.0),
-            "top_k": at_least(1), "alpha": between(0.0, 1.0), "lambda_": between(0.0, 1.0), "uct_c": at_least(0.0),
-            "convergence_rounds": at_least(1), "repeats": at_least(1), "proposer": one_of("rule", "lm"),
-            "max_attempts": at_least(1), "max_nodes": at_least(1), "ensemble_sizes": between(1, 64),
-            "refine_rounds": between(1, 10), "split": one_of(*SPLITS), "max_examples": at_least(1),
+            "proposer": one_of("rule", "lm"), "max_attempts": at_least(1), "max_nodes": at_least(1),
+            "ensemble_sizes": between(1, 64), "refine_rounds": between(1, 10), "split": one_of(*SPLITS),
+            "max_examples": at_least(1),
         })
-        self.search_settings()  # checks the search settings now, not at run time
-        self.vocabulary()
+        self.vocabulary()  # checks the edit kinds now, not at run time
 
-    def search_settings(self) -> SearchSettings:
-        return SearchSettings(max_rounds=self.max_rounds, selection=self.selection, explore=self.explore,
-                              top_k=self.top_k, alpha=self.alpha, lambda_=self.lambda_, uct_c=self.uct_c,
-                              convergence_rounds=self.convergence_rounds, repeats=self.repeats,
-                              max_evaluations=self.max_evaluations, final_top=self.final_top,
-                              final_repeats=self.final_repeats, objective=self.objective,
-                              cost_weight=self.cost_weight)
+    def __getattr__(self, name: str) -> Any:
+        """A search setting read by name (``stage.max_rounds``), as it may be passed."""
+        search = self.__dict__.get("search")
+        if search is not None and name in SEARCH_FIELDS:
+            return getattr(search, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def settings(self) -> dict[str, Any]:
+        """The search settings and the stage's own, flat (as they may be passed)."""
+        own = super().settings()
+        return {**own.pop("search"), **own}
 
     def vocabulary(self) -> Vocabulary:
         kinds = Vocabulary().kinds if self.edit_kinds is None else tuple(self.edit_kinds)
@@ -117,7 +139,7 @@ class StructureSearch(Stage):
             return LMProposer(self.optimizer_lm, vocabulary=self.vocabulary(), max_attempts=self.max_attempts)
         return RuleProposer(self.vocabulary())
 
-    def run(self, program: Any, ctx: Any) -> Any:
+    def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
         if not isinstance(program, Workflow):
             raise ConfigError(f"structure search needs a flowopt.Workflow, got {type(program).__name__}",
                               fix="declare the program as a Workflow, or leave 'structure' out of the stages")
@@ -126,7 +148,7 @@ class StructureSearch(Stage):
         final_eval = _Measurer(ctx, fresh, rollout_offset=1000) if fresh is not examples else search_eval
 
         checkpoint = _ContextCheckpoint(ctx) if ctx.run_dir is not None else None
-        search = MCTS(self.make_proposer(), search_eval, self.search_settings(), seed=ctx.seed,
+        search = MCTS(self.make_proposer(), search_eval, self.search, seed=ctx.seed,
                       checkpoint=checkpoint, resume=bool(ctx.resume), should_stop=ctx.budget.exhausted,
                       final_evaluate=final_eval)
         try:
@@ -145,9 +167,9 @@ class StructureSearch(Stage):
             search_interval=[round(x, 6) for x in result.tree.nodes[result.best_node].interval],
             remeasured=result.remeasured, finalists=result.finalists,
             best_cost=result.tree.nodes[result.best_node].cost,
-            pareto_front=[pareto_point(n, with_workflow=self.objective == "pareto")
+            pareto_front=[pareto_point(n, with_workflow=self.search.objective == "pareto")
                           for n in result.tree.pareto_front()],
-            search_examples=len(examples), final_examples=len(fresh), objective=self.objective,
+            search_examples=len(examples), final_examples=len(fresh), objective=self.search.objective,
             edits=[e.to_dict() for e in result.edits], edit_descriptions=[e.describe() for e in result.edits],
             tree=result.tree.to_dict(with_workflows=False),
         )
@@ -175,7 +197,7 @@ class StructureSearch(Stage):
                               fix="pass a non-empty trainset (or valset with split='valset')")
         if self.max_examples is not None and len(examples) > self.max_examples:
             return examples[: self.max_examples], examples[self.max_examples:]
-        if self.final_top and len(examples) >= 8:
+        if self.search.final_top and len(examples) >= 8:
             cut = len(examples) - len(examples) // 4
             return examples[:cut], examples[cut:]
         return examples, examples  # too few to hold some out: finalists get fresh rollouts only
@@ -219,7 +241,7 @@ class _Measurer:
     on every LM (the ambient one and the workflow's own), which gives a distinct sample and a distinct
     memo key, and counts the LM calls and tokens it took per example."""
 
-    def __init__(self, ctx: Any, examples: list[Any], *, rollout_offset: int = 0) -> None:
+    def __init__(self, ctx: StageContext, examples: list[Any], *, rollout_offset: int = 0) -> None:
         self.ctx, self.examples, self.offset = ctx, examples, rollout_offset
         self.calls: dict[str, int] = {}
 
@@ -260,7 +282,7 @@ def _with_rollout(lm: Any, rollout: int) -> Any:
 class _ContextCheckpoint:
     """The search's checkpoint in the stage folder, through the context (atomic JSON)."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
 
     def save(self, data: dict[str, Any]) -> None:

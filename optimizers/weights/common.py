@@ -8,6 +8,7 @@ from typing import Any
 
 import dspy
 
+from flowopt.compiler import StageContext
 from flowopt.lm.pinned import adapter_sha256
 from flowopt.optimizers.weights.distributed import SINGLE, World
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
@@ -56,11 +57,11 @@ def torch_generator(policy: Policy, seed: int) -> Any:
     return gen
 
 
-def adapter_name(stage: str, ctx: Any) -> str:
+def adapter_name(stage: str, ctx: StageContext) -> str:
     return (getattr(ctx, "stage_name", "") or stage).replace("/", "-")
 
 
-def finish(program: dspy.Module, policy: Policy, ctx: Any, stage: str,
+def finish(program: dspy.Module, policy: Policy, ctx: StageContext, stage: str,
            world: World = SINGLE) -> tuple[dspy.Module, dict[str, Any]]:
     """Save the adapter (under the stage's run folder, else in a new ``flowopt-{stage}-*`` folder under
     ``tempfile.gettempdir()``) and bind it to the program. The temporary folder is not removed: the

@@ -22,19 +22,21 @@ import random
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import dspy
 
-from flowopt.compiler.stage import Stage
+from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.optimizers.weights.advantages import SCALINGS, Scaling, group_advantages
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter, torch_generator
 from flowopt.optimizers.weights.distributed import World, agree_on_budget, current_world
 from flowopt.optimizers.weights.learner import GRPOLearner, ScoredTransition
 from flowopt.optimizers.weights.loss import AGGREGATIONS
+from flowopt.optimizers.weights.memory import out_of_memory_errors
 from flowopt.optimizers.weights.optim import SCHEDULES
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
 from flowopt.optimizers.weights.rewards import NodeReward, score_rollout
@@ -59,6 +61,34 @@ class GRPO(Stage):
     (an :class:`~flowopt.optimizers.weights.served.InferenceServer`): sample rollouts on vLLM or
     ``flowopt serve`` with the adapter pushed there each step; the update stays here.
 
+    Settings:
+        student: the local model to train (``None``: the one the program runs on, else the embedded Gemma).
+        steps: optimizer steps (each one batch of rollouts).
+        batch_size: trainset examples per step.
+        group_size: rollouts per example (at least 2: advantages compare them).
+        temperature: the rollouts' sampling temperature (the log-probs are taken at it too).
+        max_new_tokens: the longest completion of one LM call in a rollout.
+        learning_rate, weight_decay: AdamW's.
+        lr_schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` decay over the steps.
+        warmup_steps: steps of linear warm-up before the schedule.
+        epsilon: the ratio clip (``1 - epsilon``, ``1 + epsilon``).
+        epsilon_high: a higher upper clip (DAPO's clip-higher; ``None``: ``epsilon``).
+        beta: the weight of the k3 KL to the reference (0: none).
+        scaling: the advantage's divisor: the group's, the batch's standard deviation, or none.
+        aggregation: how token losses are averaged (above).
+        passes: optimizer steps on each batch of rollouts.
+        micro_batch_size: sequences per forward pass (gradients accumulate over them).
+        max_grad_norm: the gradient-norm clip (``None``: none).
+        gradient_checkpointing: recompute activations in the backward pass (less memory, more compute).
+        node_rewards: per-node reward functions added to the metric (node id -> ``NodeReward``).
+        format_penalty: the reward taken off a rollout whose LM output could not be parsed.
+        lora: the adapter's shape (:class:`~flowopt.optimizers.weights.policy.LoraSettings`).
+        adapter: the DSPy adapter rollouts are rendered with (``None``: the configured one, else the
+            student's own choice).
+        checkpoint_every: save the adapter and optimizer state every this many steps (0: never).
+        plot: draw the reward curve (``reward_curve.png`` in the stage folder).
+        rollout_server: sample rollouts on an :class:`InferenceServer` instead of in this process.
+
     Example:
         >>> import flowopt
         >>> from flowopt.optimizers.weights import GRPO
@@ -69,6 +99,7 @@ class GRPO(Stage):
 
     name: ClassVar[str] = "grpo"
     multi_process: ClassVar[bool] = True
+    memory_settings: ClassVar[tuple[str, ...]] = ("micro_batch_size", "gradient_checkpointing")
 
     student: Any = None
     steps: int = 20
@@ -112,7 +143,7 @@ class GRPO(Stage):
                               fix="pass rollout_server=InferenceServer('http://127.0.0.1:8000/v1', adapter_dir=...)")
 
     # ------------------------------------------------------------------ the stage
-    def run(self, program: dspy.Module, ctx: Any) -> dspy.Module:
+    def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
         if not ctx.trainset:
             raise ConfigError("GRPO needs training examples, the trainset is empty", fix="pass a non-empty trainset")
         world = current_world()
@@ -153,7 +184,8 @@ class GRPO(Stage):
                                   thread_name_prefix="flowopt-rollout")
         try:
             for step in range(first, self.steps):
-                point = self._step(step, program, ctx, policy, learner, adapter, pool, world, served)
+                with self._out_of_memory(step):
+                    point = self._step(step, program, ctx, policy, learner, adapter, pool, world, served)
                 curve.append(point)
                 ctx.logger.info("grpo step %d/%d: reward %.3f (+/- %.3f), loss %.4f, failures %d",
                                 step + 1, self.steps, point["mean_reward"], point["reward_std"], point["loss"],
@@ -246,6 +278,16 @@ class GRPO(Stage):
         # A stream per rank: the same draws everywhere would give a group's members on two ranks equal samples.
         rank_seed = random.Random(f"{seed}:rank:{world.rank}").getrandbits(63)
         return run_rollouts(program, mine, 1, policy, generator=torch_generator(policy, rank_seed), **options)
+
+    def _out_of_memory(self, step: int) -> AbstractContextManager[None]:
+        done = step - step % self.checkpoint_every if self.checkpoint_every else 0
+        saved = (f"the checkpoint after {done} steps is intact and a resumed run continues from it" if done
+                 else "no step was checkpointed yet, so a resumed run starts GRPO over")
+        return out_of_memory_errors(
+            f"grpo (step {step + 1})",
+            {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing},
+            {"batch_size": self.batch_size, "group_size": self.group_size, "max_new_tokens": self.max_new_tokens},
+            resume_note=saved)
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, ctx: Any, policy: Policy, learner: GRPOLearner, curve: list[dict[str, Any]],

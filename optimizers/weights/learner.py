@@ -19,6 +19,7 @@ the reported numbers are the whole batch's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Sequence
@@ -72,31 +73,64 @@ class _Micro:
     ref: Any = None
 
 
+@dataclass(frozen=True)
+class LearnerSettings:
+    """How :class:`GRPOLearner` updates (the ``GRPO`` stage's settings of the same names document each).
+
+    ``learning_rate``, ``weight_decay``, ``lr_schedule`` and ``warmup_steps`` set the AdamW optimizer and
+    its schedule; ``epsilon`` (and ``epsilon_high``) the ratio clip; ``beta`` the KL penalty against the
+    reference (``reference_adapter``; ``None``: the base model); ``aggregation`` how token losses are
+    averaged (``"dapo"``, ``"grpo"``...); ``passes`` optimizer steps per batch; ``micro_batch_size``
+    sequences per forward pass; ``max_grad_norm`` the clip of the gradient norm (``None``: none);
+    ``temperature`` the sampling temperature the log-probs are taken at; ``gradient_checkpointing``
+    trades compute for memory in the training forward.
+
+    Example:
+        >>> LearnerSettings(beta=0.04).passes
+        1
+    """
+
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    aggregation: str = "dapo"
+    passes: int = 1
+    micro_batch_size: int = 8
+    max_grad_norm: float | None = 1.0
+    temperature: float = 1.0
+    gradient_checkpointing: bool = False
+    reference_adapter: str | None = None
+
+
 class GRPOLearner:
-    """Optimizer state plus :meth:`update` (one call per rollout batch).
+    """Optimizer state plus :meth:`update` (one call per rollout batch). Its settings are a
+    :class:`LearnerSettings`, or any of its fields by name.
 
     Example:
         >>> learner = GRPOLearner(policy, total_steps=10)  # doctest: +SKIP
         >>> stats = learner.update([ScoredTransition([5, 6], [7, 3], [-1.2, -0.4], 0.8)])  # doctest: +SKIP
     """
 
-    def __init__(self, policy: Policy, *, total_steps: int, learning_rate: float = 5e-5, weight_decay: float = 0.0,
-                 lr_schedule: str = "constant", warmup_steps: int = 0, epsilon: float = 0.2,
-                 epsilon_high: float | None = None, beta: float = 0.0, aggregation: str = "dapo", passes: int = 1,
-                 micro_batch_size: int = 8, max_grad_norm: float | None = 1.0, temperature: float = 1.0,
-                 gradient_checkpointing: bool = False, reference_adapter: str | None = None,
-                 world: World = SINGLE) -> None:
+    def __init__(self, policy: Policy, settings: LearnerSettings | None = None, *, total_steps: int,
+                 world: World = SINGLE, **overrides: Any) -> None:
+        s = settings or LearnerSettings()
+        s = dataclasses.replace(s, **overrides) if overrides else s
         self.policy = policy
         self.world = world
-        self.epsilon, self.epsilon_high, self.beta = epsilon, epsilon_high, beta
-        self.aggregation, self.passes, self.micro = aggregation, passes, micro_batch_size
-        self.max_grad_norm, self.temperature = max_grad_norm, temperature
-        self.gradient_checkpointing = gradient_checkpointing
-        self.reference_adapter = reference_adapter  # None: the base model (adapter disabled)
+        self.settings = s
+        self.epsilon, self.epsilon_high, self.beta = s.epsilon, s.epsilon_high, s.beta
+        self.aggregation, self.passes, self.micro = s.aggregation, s.passes, s.micro_batch_size
+        self.max_grad_norm, self.temperature = s.max_grad_norm, s.temperature
+        self.gradient_checkpointing = s.gradient_checkpointing
+        self.reference_adapter = s.reference_adapter  # None: the base model (adapter disabled)
         self.params = policy.trainable_parameters()
         self.optimizer, self.scheduler = make_optimizer(
-            self.params, lr=learning_rate, weight_decay=weight_decay,
-            total_steps=total_steps * passes, warmup=warmup_steps, schedule=lr_schedule)  # type: ignore[arg-type]
+            self.params, lr=s.learning_rate, weight_decay=s.weight_decay,
+            total_steps=total_steps * s.passes, warmup=s.warmup_steps, schedule=s.lr_schedule)  # type: ignore[arg-type]
 
     def _micro_batches(self, items: Sequence[ScoredTransition], batch_tokens: int,
                        batch_rollouts: int) -> list[_Micro]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from flowopt.errors import ConfigError
 from flowopt.lm.pinned import adapter_sha256
+from flowopt.settings import above, at_least, below, check_stage
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,9 @@ Messages = Sequence[Mapping[str, str]]
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """LoRA shape. ``target_modules="all-linear"`` adapts every linear layer except the output head.
+    """LoRA shape: ``r`` the adapter's rank, ``alpha`` its scale (the update is scaled by ``alpha / r``),
+    ``dropout`` on the adapter's input (in [0, 1)), ``target_modules`` the layers adapted
+    (``"all-linear"``: every linear layer except the output head; or a tuple of module names).
 
     Example:
         >>> LoraSettings(r=16, alpha=32).r
@@ -38,12 +41,7 @@ class LoraSettings:
     target_modules: str | tuple[str, ...] = "all-linear"
 
     def __post_init__(self) -> None:
-        if self.r < 1:
-            raise ConfigError(f"LoRA rank r must be >= 1, got {self.r}", fix="pass LoraSettings(r=8) or more")
-        if self.alpha <= 0:
-            raise ConfigError(f"LoRA alpha must be > 0, got {self.alpha}", fix="pass alpha=2*r, e.g. 32")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout}", fix="pass dropout=0.0")
+        check_stage(self, {"r": at_least(1), "alpha": above(0), "dropout": below(1.0, 0.0)})
 
     def peft_config(self) -> Any:
         from peft import LoraConfig

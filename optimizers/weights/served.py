@@ -35,6 +35,7 @@ from flowopt.lm.engine import request_messages, row_settings, sample_response
 from flowopt.lm.lora_client import LoraServer
 from flowopt.lm.sampling import Sample
 from flowopt.optimizers.weights.policy import Policy
+from flowopt.settings import above, check_stage
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ class InferenceServer:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, str) or not re.match(r"^https?://[^\s/]+", self.url):
+        check_stage(self, {"timeout_s": above(0.0)})  # the types; the formats below
+        if not re.match(r"^https?://[^\s/]+", self.url):
             raise ConfigError(f"rollout server url must be http(s)://HOST:PORT/v1, got {self.url!r}",
                               fix="pass e.g. InferenceServer('http://127.0.0.1:8000/v1', adapter_dir=...)")
         if not str(self.adapter_dir).strip():
@@ -76,8 +78,6 @@ class InferenceServer:
         if self.api_key_env is not None and not _ENV_NAME.match(self.api_key_env):
             raise ConfigError(f"api_key_env must name an environment variable, got {self.api_key_env!r}",
                               fix="pass api_key_env='VLLM_API_KEY' and export the key in that variable")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}", fix="pass timeout_s=600")
 
     def connect(self) -> LoraServer:
         api_key = None

@@ -16,17 +16,19 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import dspy
 
-from flowopt.compiler.stage import Stage
+from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.lm.packing import micro_batches, pack
 from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter
 from flowopt.optimizers.weights.distributed import SINGLE, World, agree_on_budget, current_world
+from flowopt.optimizers.weights.memory import out_of_memory_errors
 from flowopt.optimizers.weights.optim import SCHEDULES, make_optimizer
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
 from flowopt.optimizers.weights.traces import TraceStats, label_pairs, teacher_pairs
@@ -126,6 +128,23 @@ class BootstrapFinetune(Stage):
     demos and return the program without them (the teacher still runs with its demos); a small student
     can learn the task from the weights better than from demos it must read at every call.
 
+    Settings:
+        student, teacher, labels, exclude_demos: above.
+        epochs: passes over the training pairs.
+        learning_rate, weight_decay: AdamW's.
+        batch_size: pairs per optimizer step.
+        micro_batch_size: pairs per forward pass (gradients accumulate over them).
+        micro_batch_tokens: padded positions per forward pass (``None``: no bound); the step's memory.
+        lr_schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` decay over the steps.
+        warmup_steps: steps of linear warm-up before the schedule.
+        max_grad_norm: the gradient-norm clip (``None``: none).
+        gradient_checkpointing: recompute activations in the backward pass (less memory, more compute).
+        metric_threshold: the score a teacher trace must reach to be learned from (``None``: truthy).
+        max_length: pairs longer than this many tokens (prompt and completion) are left out.
+        lora: the adapter's shape (:class:`~flowopt.optimizers.weights.policy.LoraSettings`).
+        adapter: the DSPy adapter prompts are rendered with (``None``: the configured one, else the
+            student's own choice).
+
     Example:
         >>> import flowopt
         >>> from flowopt.optimizers.weights import BootstrapFinetune
@@ -136,6 +155,7 @@ class BootstrapFinetune(Stage):
 
     name: ClassVar[str] = "finetune"
     multi_process: ClassVar[bool] = True
+    memory_settings: ClassVar[tuple[str, ...]] = ("micro_batch_size", "micro_batch_tokens", "gradient_checkpointing")
 
     student: Any = None
     teacher: Any = None
@@ -177,7 +197,7 @@ class BootstrapFinetune(Stage):
 
         return with_lm(program, self.teacher)
 
-    def run(self, program: dspy.Module, ctx: Any) -> dspy.Module:
+    def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
         if not ctx.trainset:
             raise ConfigError("BootstrapFinetune needs training examples, the trainset is empty",
                               fix="pass a non-empty trainset")
@@ -217,12 +237,14 @@ class BootstrapFinetune(Stage):
                 progress.set_postfix(loss=f"{loss:.4f}")
 
         try:
-            losses = sft_train(policy, data, epochs=self.epochs, learning_rate=self.learning_rate,
-                               batch_size=self.batch_size, micro_batch_size=self.micro_batch_size,
-                               micro_batch_tokens=self.micro_batch_tokens,
-                               lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps,
-                               weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=ctx.seed,
-                               gradient_checkpointing=self.gradient_checkpointing, world=world, on_step=on_step)
+            with self._out_of_memory():
+                losses = sft_train(policy, data, epochs=self.epochs, learning_rate=self.learning_rate,
+                                   batch_size=self.batch_size, micro_batch_size=self.micro_batch_size,
+                                   micro_batch_tokens=self.micro_batch_tokens,
+                                   lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps,
+                                   weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=ctx.seed,
+                                   gradient_checkpointing=self.gradient_checkpointing, world=world,
+                                   on_step=on_step)
         finally:
             if progress is not None:
                 progress.close()
@@ -236,6 +258,14 @@ class BootstrapFinetune(Stage):
                     trace_seconds=round(trace_seconds, 2), train_seconds=round(time.monotonic() - t0, 2))
         ctx.record(**info)
         return program
+
+    def _out_of_memory(self) -> AbstractContextManager[None]:
+        return out_of_memory_errors(
+            "finetune",
+            {"micro_batch_size": self.micro_batch_size, "micro_batch_tokens": self.micro_batch_tokens,
+             "gradient_checkpointing": self.gradient_checkpointing},
+            {"batch_size": self.batch_size, "max_length": self.max_length},
+            resume_note="the stages before it are kept in the run folder; a resumed run trains finetune again")
 
     def _traces(self, program: dspy.Module, ctx: Any, adapter: Any, world: World) -> tuple[list[Any], TraceStats]:
         """The teacher's passing pairs; with several processes each runs a contiguous share of the trainset

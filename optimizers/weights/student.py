@@ -26,7 +26,7 @@ def program_lms(program: dspy.Module) -> list[Any]:
     lms = [p.lm for _, p in program.named_predictors() if getattr(p, "lm", None) is not None]
     if isinstance(program, Workflow):
         for node_id in program.nodes:
-            lm = program._lm_for(node_id)
+            lm = program.lm_for(node_id)
             if lm is not None:
                 lms.append(lm)
     return lms

@@ -53,39 +53,3 @@ def tiny_causal_lm(words: Iterable[str], *, hidden_size: int = 64, layers: int =
     model.eval()
     return model, tokenizer
 
-
-def plain_adapter() -> Any:
-    """A DSPy adapter for tiny word-level models: ``"field : value"`` lines, then ``"output :"``.
-
-    The completion is the first output field's value (the first line); an empty completion is a parse
-    failure. Real base models use ``LocalLM``'s completion adapter; this one keeps test prompts short.
-    """
-    import dspy
-    from dspy.utils.exceptions import AdapterParseError
-
-    class PlainAdapter(dspy.Adapter):
-        def format(self, signature: Any, demos: list[dict[str, Any]], inputs: dict[str, Any]) -> list[dict[str, Any]]:
-            out = next(iter(signature.output_fields))
-            lines = []
-            for demo in demos:
-                lines += [f"{k} : {demo[k]}" for k in signature.input_fields if k in demo]
-                lines.append(f"{out} : {demo.get(out, '')}")
-            lines += [f"{k} : {inputs[k]}" for k in signature.input_fields if k in inputs]
-            lines.append(f"{out} :")
-            return [{"role": "user", "content": " ".join(lines)}]
-
-        def format_assistant_message_content(self, signature: Any, outputs: dict[str, Any],
-                                             missing_field_message: str | None = None) -> str:
-            out = next(iter(signature.output_fields))
-            return str(outputs.get(out, missing_field_message or ""))
-
-        def parse(self, signature: Any, completion: str) -> dict[str, Any]:
-            out = next(iter(signature.output_fields))
-            text = completion.strip().split("\n")[0].strip()
-            if not text:
-                raise AdapterParseError("PlainAdapter", signature, completion, "empty completion")
-            values = {name: "" for name in signature.output_fields}
-            values[out] = text
-            return values
-
-    return PlainAdapter()

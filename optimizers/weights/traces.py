@@ -179,7 +179,7 @@ def _labelled_calls(program: dspy.Module, example: Any) -> list[tuple[Any, dict[
             kwargs = {dst: values[src][field] for dst, (src, field) in program.sources(node_id).items()}
             calls.append((predictors[0], kwargs))
         elif any(nx.has_path(program.graph, node_id, t) for t in targets):
-            values[node_id] = program._run_node(node_id, values)  # upstream of the answer: run it (retrieval)
+            values[node_id] = program.run_node(node_id, values)  # upstream of the answer: run it (retrieval)
     return calls
 
 

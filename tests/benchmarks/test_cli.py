@@ -197,6 +197,14 @@ def test_out_that_is_a_file_is_a_clear_error(tmp_path, caplog):
     assert "is a file, not a folder" in caplog.text and target.read_text() == "keep me"
 
 
+def test_out_under_a_file_is_a_clear_error(tmp_path, caplog):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    assert bench(afile / "sub") == 2  # was a NotADirectoryError traceback
+    assert f"--out {afile / 'sub'} lies under {afile}, which is a file" in caplog.text
+    assert "pass a folder path outside" in caplog.text and afile.read_text() == "keep me"
+
+
 def test_stages_none_scores_the_baseline_only(tmp_path, scripted):
     assert bench(tmp_path / "run", "--stages", "none") == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())

@@ -9,7 +9,7 @@ import shutil
 import dspy
 import pytest
 
-from flowopt.benchmarks import datasets
+from flowopt.benchmarks import data_files
 from flowopt.benchmarks.datasets import (
     DATA_DIR_ENV,
     Protocol,
@@ -21,7 +21,7 @@ from flowopt.benchmarks.datasets import (
 from flowopt.benchmarks.metrics import gsm8k_metric, hotpot_em, hotpot_f1, normalize_answer
 from flowopt.errors import ConfigError, DataError
 
-PACKAGED = datasets._PACKAGED_DATA
+PACKAGED = data_files.PACKAGED_DATA
 
 
 def ids(examples):
@@ -220,7 +220,7 @@ def test_tampered_file_fails_checksum(tmp_path, monkeypatch):
     with pytest.raises(DataError) as err:
         load_split("gsm8k-aflow", "val")
     message = str(err.value)
-    expected = datasets._expected_checksums()[rel]
+    expected = data_files.expected_checksums()[rel]
     assert f"benchmark data file {tampered / rel} fails its checksum" in message
     assert f"expected sha256 {expected}, got " in message
     actual = message.split(", got ")[1][:64]
@@ -240,8 +240,8 @@ def test_checksum_is_verified_once_per_file(tmp_path, monkeypatch):
     root = _copy(tmp_path, "gsm8k/train.jsonl")
     monkeypatch.setenv(DATA_DIR_ENV, str(root))
     calls = []
-    real = datasets._sha256
-    monkeypatch.setattr(datasets, "_sha256", lambda path: calls.append(path) or real(path))
+    real = data_files.sha256
+    monkeypatch.setattr(data_files, "sha256", lambda path: calls.append(path) or real(path))
     load_split("gsm8k-dspy", "train")
     load_split("gsm8k-dspy", "val")  # reads the same file again
     load_split("gsm8k-dspy", "train_all")
@@ -249,7 +249,7 @@ def test_checksum_is_verified_once_per_file(tmp_path, monkeypatch):
 
 
 def test_packaged_checksum_file_lists_every_data_file():
-    listed = set(datasets._expected_checksums())
+    listed = set(data_files.expected_checksums())
     on_disk = {str(p.relative_to(PACKAGED)) for p in PACKAGED.rglob("*")
                if p.is_file() and p.name not in ("SHA256SUMS", "README.md")}
     assert listed == on_disk

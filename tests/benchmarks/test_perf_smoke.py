@@ -21,7 +21,8 @@ import pytest
 from flowopt.benchmarks.perf.harness import read_results
 
 PERF_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "perf"
-SHARED_MODULES = {"__init__", "lm_workload", "structure_families"}  # imported by scripts, not run
+# Imported by scripts, not run.
+SHARED_MODULES = {"__init__", "lm_workload", "structure_families", "structure_sim_world", "structure_sim_report"}
 
 
 def _lm_throughput(r: dict[str, Any]) -> None:
@@ -104,6 +105,11 @@ def _grpo_server(r: dict[str, Any]) -> None:
     assert r["sides"]["server"]["max_sampler_logprob_gap"] < 1e-4  # float32: it sampled the trained weights
 
 
+def _serve_streaming(r: dict[str, Any]) -> None:
+    assert r["streamed_equals_whole"] and r["streamed_total_s"]["n"] == 1
+    assert 0 < r["first_text_s"]["median"] <= r["streamed_total_s"]["median"]
+
+
 def _llama_cpp_throughput(r: dict[str, Any]) -> None:
     assert all(rate > 0 for rate in r["tokens_per_s"].values())
 
@@ -140,6 +146,13 @@ def _structure_search_sim(r: dict[str, Any]) -> None:
         (m, s) for m in ("search", "random_walk", "hill_climb") for s in (0, 1)]
 
 
+def _serve_load(r: dict[str, Any]) -> None:
+    assert r["server_errors"] == 0 and r["transport_errors"] == 0  # no 500, no dropped connection
+    assert r["answered_share"] == 1.0  # every well-formed, uncancelled request answered
+    assert r["malformed_4xx"] == r["kinds"]["malformed"] > 0 and r["kinds"]["cancelled"] > 0
+    assert r["rss_bytes"]["end"] > 0 and r["stream_first_chunk_s"]["p50"] is not None
+
+
 # script -> (modules it needs beyond flowopt's dependencies, checks of its results)
 SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "workflow_overhead": ((), _workflow_overhead),
@@ -152,12 +165,14 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "gemma_weights_demo": ((), _gemma_weights_demo),
     "grpo_throughput": (("trl",), _grpo_throughput),
     "grpo_server": ((), _grpo_server),
+    "serve_streaming": ((), _serve_streaming),
     "llama_cpp_throughput": (("llama_cpp",), _llama_cpp_throughput),
     "local_lm_cuda": ((), _local_lm_cuda),
     "runtime_ab": (("trl",), _runtime_ab),
     "weights_distributed": ((), _weights_distributed),
     "shared_search": (("psycopg",), _shared_search),  # and PostgreSQL's initdb (CI installs it)
     "structure_search_sim": ((), _structure_search_sim),
+    "serve_load": ((), _serve_load),
 }
 
 

@@ -73,10 +73,26 @@ def test_bad_stage_settings(spec, match):
         flowopt.compile(dspy.Predict("question -> answer"), examples(4), exact, stages=[spec])
 
 
+def test_the_remaining_settings_validate_through_flowopt_settings():
+    from flowopt.optimizers.weights import InferenceServer, LoraSettings
+
+    for bad, match in [(lambda: LoraSettings(r=2.5), "LoraSettings r must be an int"),
+                       (lambda: LoraSettings(dropout=1.0), "dropout must be a number >= 0 and < 1"),
+                       (lambda: InferenceServer("http://127.0.0.1:8000/v1", adapter_dir="a", timeout_s=float("nan")),
+                        "timeout_s"),
+                       (lambda: Budget(max_cost_usd=float("nan")), "max_cost_usd")]:
+        with pytest.raises(ConfigError, match=match):
+            bad()
+    for kwargs, match in [({"max_errors": -1}, "compile max_errors must be an int >= 0"),
+                          ({"quiet": "yes"}, "compile quiet must be a bool")]:
+        with pytest.raises(ConfigError, match=match):
+            flowopt.compile(dspy.Predict("question -> answer"), examples(4), exact, **kwargs)
+
+
 def test_bad_budget_values():
-    with pytest.raises(ConfigError, match="max_lm_calls must be a number >= 0"):
+    with pytest.raises(ConfigError, match="max_lm_calls must be an int >= 0"):
         Budget(max_lm_calls=-1)
-    with pytest.raises(ConfigError, match="whole number"):
+    with pytest.raises(ConfigError, match="max_tokens must be an int"):
         Budget(max_tokens=1.5)
 
 

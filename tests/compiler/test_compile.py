@@ -100,6 +100,29 @@ def test_user_stage_by_object_and_by_registered_name():
     assert not rows[1].kept  # equal score: the simpler program so far is kept
 
 
+@dataclass(frozen=True)
+class Typed(Stage):
+    """Reports through the typed outcome, not through ``info``."""
+
+    name: ClassVar[str] = "test-typed"
+
+    def run(self, program: dspy.Module, ctx: StageContext) -> dspy.Module:
+        ctx.outcome.candidates_tried = 3
+        ctx.outcome.stop_reason = "converged"
+        ctx.outcome.best_candidate = 2
+        ctx.record(rounds=4)
+        return program
+
+
+def test_the_typed_stage_outcome_reaches_the_report():
+    with dspy.context(lm=demo_task_lm()):
+        out = flowopt.compile(dspy.Predict("question -> answer"), examples(6), exact, valset=examples(3, 50),
+                              stages=[Typed()], quiet=True)
+    row = out.report.stage("test-typed")
+    assert (row.candidates_tried, row.stop_reason) == (3, "converged")
+    assert row.info["best_candidate"] == 2 and row.info["rounds"] == 4 and "stop_reason" not in row.info
+
+
 def test_builtin_stage_names_resolve():
     from flowopt.optimizers.demos import BootstrapFewShot, LabeledFewShot
     from flowopt.optimizers.search import RandomSearch

@@ -73,8 +73,8 @@ def test_completions_endpoint_and_openai_shapes(server, tiny_local):
 def test_bad_requests_get_openai_style_errors(server):
     status, body = _post(f"{server}/chat/completions", {"model": "tiny-served", "messages": []})
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
-    status, body = _post(f"{server}/chat/completions", {"messages": MESSAGES, "stream": True})
-    assert status == 400 and "stream" in body["error"]["message"]
+    status, body = _post(f"{server}/chat/completions", {"model": "gpt-4o", "messages": MESSAGES})
+    assert status == 404 and body["error"]["code"] == "model_not_found" and "gpt-4o" in body["error"]["message"]
 
 
 def test_cli_reports_a_missing_model_with_exit_status_2(tmp_path):
@@ -141,7 +141,12 @@ BAD_CHAT_BODIES = [
     ("max_completion_tokens huge", json.dumps({"messages": MSG, "max_completion_tokens": 10**6})),
     ("seed a float", json.dumps({"messages": MSG, "seed": 1.5})),
     ("seed past 64 bits", json.dumps({"messages": MSG, "seed": 2**70})),
-    ("stream", json.dumps({"messages": MSG, "stream": True})),
+    ("stream_options without stream", json.dumps({"messages": MSG, "stream_options": {"include_usage": True}})),
+    ("response_format json_object", json.dumps({"messages": MSG, "response_format": {"type": "json_object"}})),
+    ("logit_bias", json.dumps({"messages": MSG, "logit_bias": {"5": 10}})),
+    ("presence_penalty", json.dumps({"messages": MSG, "presence_penalty": 0.5})),
+    ("max_tokens 0 in chat", json.dumps({"messages": MSG, "max_tokens": 0})),
+    ("logprobs while streaming", json.dumps({"messages": MSG, "stream": True, "logprobs": True})),
     ("tools", json.dumps({"messages": MSG, "tools": [{"type": "function"}]})),
     ("too many messages", json.dumps({"messages": MSG * 1000})),
     ("a 1 MB message", json.dumps({"messages": [{"role": "user", "content": "x" * 2**20}]})),
@@ -155,6 +160,9 @@ BAD_COMPLETION_BODIES = [
     ("too many prompts", json.dumps({"prompt": ["hi"] * 1000})),
     ("n x prompts over the cap", json.dumps({"prompt": ["hi"] * 8, "n": 16})),
     ("NaN top_p", '{"prompt": "hi", "top_p": NaN}'),
+    ("max_tokens 0 without echo", json.dumps({"prompt": "hi", "max_tokens": 0})),
+    ("suffix", json.dumps({"prompt": "hi", "suffix": "end"})),
+    ("best_of 3", json.dumps({"prompt": "hi", "best_of": 3})),
 ]
 
 

@@ -103,6 +103,22 @@ class PostgresCluster:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
 
+    def restart(self) -> None:
+        """``pg_ctl restart -m fast``: every connection is cut and the server is down for a moment."""
+        # -l: the restarted server writes to the log file, not to pipes this call would wait on.
+        subprocess.run([*self._as_user, str(self.bindir / "pg_ctl"), "-D", str(self.root / "data"), "-l",
+                        str(self.root / "log"), "-m", "fast", "-w", "-t", "60", "restart"], check=True,
+                       capture_output=True, timeout=90)
+
+    def terminate_backends(self, application_name_like: str) -> int:
+        """``pg_terminate_backend`` for every connection whose application_name matches; how many."""
+        import psycopg
+
+        with psycopg.connect(f"host=127.0.0.1 port={self.port} user={USER} dbname=postgres", autocommit=True) as conn:
+            rows = conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE %s",
+                                (application_name_like,)).fetchall()
+        return len(rows)
+
     def stop(self) -> None:
         subprocess.run([*self._as_user, str(self.bindir / "pg_ctl"), "-D", str(self.root / "data"), "-m", "immediate",
                         "-w", "-t", "30", "stop"], capture_output=True, timeout=60)

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import dspy
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "compiler"))
+from fakes import category_lm, exact, examples
+
+import flowopt
+from flowopt import ConfigError
+from flowopt.optimizers.search import RandomSearch
+from flowopt.optimizers.search.pruners import to_prune, verdicts
 from flowopt.optimizers.search.pruning import (
     ALPHA,
     _mcnemar_p,
@@ -12,8 +23,6 @@ from flowopt.optimizers.search.pruning import (
     looks,
     next_look,
     rungs,
-    to_prune,
-    verdicts,
     worse_than,
 )
 
@@ -420,3 +429,46 @@ def test_stratified_rule_tests_against_the_best_fully_scored_candidate_and_spare
     from flowopt.optimizers.search import RandomSearch
 
     assert RandomSearch(pruner="stratified").rung_ends(100) == looks(100, 20)
+
+
+def test_each_rule_is_a_registered_pruner_class_with_its_own_docstring():
+    from flowopt.optimizers.search.pruners import PRUNE_RULES, Pruner, get_pruner, pruner_names
+
+    assert set(PRUNE_RULES) <= set(pruner_names())
+    for name in PRUNE_RULES:
+        cls = get_pruner(name)
+        assert issubclass(cls, Pruner) and cls.name == name and cls.__doc__ and f'"{name}"' in cls.__doc__
+    with pytest.raises(ConfigError, match="unknown pruner 'nope'"):
+        get_pruner("nope")
+
+
+def test_a_users_own_pruner_plugs_into_the_search():
+    from flowopt.optimizers.search.pruners import Look, Pruner, register_pruner
+
+    seen: list[int] = []
+
+    @register_pruner
+    class EveryoneButTheLeader(Pruner):
+        """Prune every challenger but the best so far, at the first look only."""
+
+        name = "test-everyone-but-the-leader"
+
+        def rung_ends(self, n, minibatch_size):
+            return [20, n]
+
+        def prune(self, look: Look) -> dict[int, str]:
+            seen.append(look.step)
+            means = look.means()
+            best = max(means, key=lambda k: (means[k], -k))
+            return {k: "not the leader" for k in look.challengers() if k != best}
+
+    with pytest.raises(ConfigError, match="pruner"):
+        RandomSearch(pruner="test-no-such-rule")
+    stage = RandomSearch(n_candidates=5, seeded=2, max_demos=3, max_labeled_demos=3, extra=0,
+                         pruner="test-everyone-but-the-leader")
+    with dspy.context(lm=category_lm()):
+        out = flowopt.compile(dspy.Predict("question -> answer"), examples(15, categories=True), exact,
+                              valset=examples(40, 200, categories=True), stages=[stage], quiet=True, num_threads=4)
+    info = out.report.stage("search").info
+    assert seen and set(seen) == {20}
+    assert info["pruned"] >= 1 and all(c["pruned"] == "not the leader" for c in info["candidates"] if "pruned" in c)

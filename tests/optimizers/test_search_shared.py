@@ -122,6 +122,40 @@ def test_three_workers_one_killed_finish_every_candidate_once_and_agree(postgres
 
 
 # The baseline case is slow-marked: the default suite's kill test above covers a kill mid-candidate.
+def _wait_for_completed(url: str, study: str, n: int, workers: list[subprocess.Popen], deadline: float) -> None:
+    while study not in _study_names(url) or sum(t.state == TrialState.COMPLETE for t in _trials(url, study)) < n:
+        assert time.monotonic() < deadline, f"fewer than {n} candidates done: {_states(url, study)}"
+        assert all(w.poll() is None for w in workers), "a worker ended early"
+        time.sleep(0.1)
+
+
+def test_three_workers_survive_a_terminated_connection_and_a_server_restart(postgres_cluster, postgres_url, tmp_path):
+    """pg_terminate_backend cuts one worker's connections, then pg_ctl restart cuts everyone's: every worker
+    retries across the outage, no candidate is lost or scored twice, and all return the same program."""
+    settings = {**SETTINGS, "stale_after_s": 15}  # an outage under load must not read as a dead worker
+    reference = compile_once(settings, latency=0.0)
+    outs = [tmp_path / f"w{i}.json" for i in range(3)]
+    workers = [_start(postgres_url, "faults", out, latency=0.15, settings=settings) for out in outs]
+    try:
+        deadline = time.monotonic() + 240
+        _wait_for_completed(postgres_url, "faults", 2, workers, deadline)
+        victim = workers[0].pid
+        assert postgres_cluster.terminate_backends(f"flowopt-search:%:{victim}:%") >= 1
+        _wait_for_completed(postgres_url, "faults", 5, workers, deadline)
+        postgres_cluster.restart()
+        for w in workers:
+            output = w.communicate(timeout=240)[0]
+            assert w.returncode == 0, output[-3000:]
+    finally:
+        _reap(workers)
+    _each_candidate_finished_once(postgres_url, "faults")
+    for out in outs:
+        result = json.loads(out.read_text())
+        assert result["definition"] == definition_of(reference)
+        assert result["best_score"] == reference.report.best_score
+        assert result["candidates_tried"] == 12 and result["info"]["scored_twice"] == 0
+
+
 @pytest.mark.parametrize(("step", "stall_after_calls"),
                          [("plan", 2), pytest.param("baseline", 7 + 3, marks=pytest.mark.slow)])
 def test_a_worker_killed_in_a_shared_step_is_replaced(postgres_url, tmp_path, step, stall_after_calls):
@@ -182,8 +216,8 @@ def test_a_stale_trial_is_failed_and_its_candidate_requeued_once(postgres_url):
     dead, alive = SharedWorker(stage, ctx), SharedWorker(stage, ctx)
     definition = definition_of(dspy.Predict("question -> answer"))
     dead.study.enqueue_trial({}, user_attrs={"candidate": 0, "kind": "incumbent", "definition": definition})
-    assert dead._claim(dead.study, 0) is not None  # claimed, then no heartbeat ever again
-    assert alive._claim(alive.study, 0) is None  # a claimed candidate cannot be claimed again
+    assert dead.claim(dead.study, 0) is not None  # claimed, then no heartbeat ever again
+    assert alive.claim(alive.study, 0) is None  # a claimed candidate cannot be claimed again
     assert [t.state for t in alive.requeue_lost(alive.study)] == [TrialState.RUNNING]  # not stale yet
     time.sleep(3.5)
     trials = alive.requeue_lost(alive.study)

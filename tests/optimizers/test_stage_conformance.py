@@ -1,12 +1,5 @@
-"""The contract every registered stage must keep, run over every ``flowopt.stages`` entry point.
-
-As optuna's sampler test case does for samplers: each stage found through the entry points (the
-built-in ones and any added later) must
-
-* refuse a setting of the wrong type (every typed field) and a NaN number with a ``ConfigError``;
-* leave the caller's program unchanged, in its JSON and in what it answers;
-* give the same canonical JSON for the same seed;
-* when the budget runs out, still return a program, with a typed stop reason in the report.
+"""The stage contract (:mod:`flowopt.testing.stages`, shipped for plugin authors), run over every
+``flowopt.stages`` entry point: the built-in stages and any added later.
 
 A stage that needs a program of a special kind (a local model for the weights stages) gets one from
 ``RECIPES``; any other stage runs on a one-node Workflow over a scripted LM with its default
@@ -16,25 +9,37 @@ settings, shrunk by ``FAST_SETTINGS`` where the defaults would take long.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
+import inspect
+import re
 import tempfile
-import typing
 from collections.abc import Callable
-from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import dspy
 import pytest
 
 import flowopt
-from flowopt import Budget, ConfigError
-from flowopt.compiler.budget import LIMITS
+from flowopt import ConfigError
+from flowopt.compiler import Stage, register_stage
 from flowopt.compiler.stages import get_stage
 from flowopt.modules import Predict
-from flowopt.testing import scripted_lm
+from flowopt.registry import get_operator, operator_names
+from flowopt.testing import (
+    StageRecipe,
+    check_budget_stop,
+    check_files_under_run_dir,
+    check_input_unchanged,
+    check_process_launch,
+    check_resume,
+    check_same_seed,
+    check_settings_are_documented,
+    check_settings_are_json,
+    check_settings_are_validated,
+    scripted_lm,
+    scripted_recipe,
+)
 
 STAGE_NAMES = sorted({ep.name for ep in entry_points(group="flowopt.stages")})
 
@@ -55,41 +60,6 @@ FAST_SETTINGS: dict[str, dict[str, Any]] = {
 COLORS = ["red", "blue", "green", "black"]
 ANIMALS = ["cat", "dog", "cow", "pig"]
 LABELS = ["Cue:", "Word:", "---", "Given", "fields", "produce", "`cue`,", "`cue`", "`word`.", "the"]
-
-
-@dataclass
-class Recipe:
-    """A program factory, data and metric on which one stage runs in a few seconds."""
-
-    program: Callable[[], dspy.Module]
-    trainset: list[dspy.Example]
-    valset: list[dspy.Example]
-    metric: Callable[..., float]
-    settings: dict[str, Any]
-    inputs: list[dict[str, Any]]  # what the caller asks its program before and after compile
-
-
-def _scripted_recipe(name: str, settings: dict[str, Any]) -> Recipe:
-    def answer(req):  # right only with a demo of the same category, as in tests/compiler/fakes.py
-        if req.output_fields != ["answer"]:  # an optimizer's own call (MIPRO's proposer, GEPA's reflection)
-            fields = {name: "Answer the question." for name in req.output_fields}
-            return json.dumps(fields) if "JSON" in req.system else fields
-        q = req.inputs.get("question", "")
-        cats = {str(d.get("question", ""))[:1] for d in req.demos if str(d.get("answer", "")).startswith("#")}
-        return {"answer": "#" + q[::-1] if q[:1] in cats else q}
-
-    lm = scripted_lm(answer, model="scripted/conformance", cache=False)  # cache hits would not spend the budget
-
-    def program() -> dspy.Module:
-        wf = flowopt.Workflow("question -> answer", name="conformance")
-        wf.add("solve", Predict("question -> answer"), lm="default")
-        wf.lms["default"] = lm
-        return wf
-
-    data = [dspy.Example(question=f"{'abc'[i % 3]}{i}", answer="#" + f"{'abc'[i % 3]}{i}"[::-1])
-            .with_inputs("question") for i in range(18)]
-    return Recipe(program, data[:12], data[12:], lambda ex, pred, trace=None: float(ex.answer == pred.answer),
-                  settings, [{"question": "a100"}, {"question": "b200"}])
 
 
 _LOCALS: list[Any] = []  # closed at the end of the module
@@ -120,7 +90,11 @@ def _tiny_folder() -> Path:
     return folder
 
 
-def _local_recipe(name: str, settings: dict[str, Any]) -> Recipe:
+def _scripted_recipe(name: str, settings: dict[str, Any]) -> StageRecipe:
+    return scripted_recipe(settings)
+
+
+def _local_recipe(name: str, settings: dict[str, Any]) -> StageRecipe:
     from flowopt.lm.local import LocalLM
     from flowopt.optimizers.weights import LoraSettings
 
@@ -138,11 +112,12 @@ def _local_recipe(name: str, settings: dict[str, Any]) -> Recipe:
     extra: dict[str, Any] = {"lora": LoraSettings(r=2, alpha=4)}
     if name == "finetune":  # the tiny random model alone passes no trace to learn from
         extra["teacher"] = teacher
-    return Recipe(program, data[:8], data[8:], lambda ex, pred, trace=None: float(ex.word == str(pred.word).strip()),
-                  {**settings, **extra}, [{"cue": "red"}, {"cue": "gold"}])
+    return StageRecipe(program, data[:8], data[8:],
+                       lambda ex, pred, trace=None: float(ex.word == str(pred.word).strip()),
+                       {**settings, **extra}, [{"cue": "red"}, {"cue": "gold"}])
 
 
-RECIPES: dict[str, Callable[[str, dict[str, Any]], Recipe]] = {"finetune": _local_recipe, "grpo": _local_recipe}
+RECIPES: dict[str, Callable[[str, dict[str, Any]], StageRecipe]] = {"finetune": _local_recipe, "grpo": _local_recipe}
 
 # Defects the suite finds are kept visible here until fixed (a strict xfail turns red once it passes).
 # The weights stages used to switch the shared LocalLM to their new adapter, changing what the caller's
@@ -150,7 +125,7 @@ RECIPES: dict[str, Callable[[str, dict[str, Any]], Recipe]] = {"finetune": _loca
 KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 
 
-def recipe(name: str) -> Recipe:
+def recipe(name: str) -> StageRecipe:
     return RECIPES.get(name, _scripted_recipe)(name, dict(FAST_SETTINGS.get(name, {})))
 
 
@@ -160,76 +135,47 @@ def _mark(name: str, check: str) -> Any:
     return pytest.param(name, marks=marks, id=name)
 
 
-def _compile(r: Recipe, name: str, program: dspy.Module, **kwargs: Any) -> dspy.Module:
-    return flowopt.compile(program, r.trainset, r.metric, valset=r.valset, stages=[(name, r.settings)],
-                           quiet=True, num_threads=2, **kwargs)
-
-
-def _answers(program: dspy.Module, inputs: list[dict[str, Any]]) -> list[str]:
-    out = []
-    for kwargs in inputs:
-        prediction = program(**kwargs)
-        out.append(str(prediction.toDict()))
-    return out
-
-
-class _Wrong:
-    """A value of no declared setting type."""
-
-    def __repr__(self) -> str:
-        return "<wrong>"
-
-
-def _typed_fields(cls: type) -> list[tuple[str, Any]]:
-    hints = typing.get_type_hints(cls)
-    return [(f.name, hints.get(f.name, Any)) for f in dataclasses.fields(cls) if hints.get(f.name, Any) is not Any]
-
-
 def test_every_builtin_stage_is_discovered():
     assert {"labeled", "demos", "search", "structure", "finetune", "grpo"} <= set(STAGE_NAMES)
 
 
 @pytest.mark.parametrize("name", STAGE_NAMES)
 def test_a_setting_of_the_wrong_type_is_a_config_error(name):
-    cls = get_stage(name)
-    assert dataclasses.is_dataclass(cls), f"{name}: settings must be dataclass fields"
-    fields = _typed_fields(cls)
-    assert fields, f"{name}: no typed settings"
-    for field, _ in fields:
-        with pytest.raises(ConfigError, match=field) as info:
-            cls(**{field: _Wrong()})
-        assert "Fix:" in str(info.value)
-    floats = [f for f, hint in fields if float in (hint, *typing.get_args(hint))]
-    for field in floats:
-        with pytest.raises(ConfigError, match=field):
-            cls(**{field: math.nan})
-    ints = [f for f, hint in fields if int in (hint, *typing.get_args(hint)) and float not in typing.get_args(hint)]
-    for field in ints:
-        with pytest.raises(ConfigError, match=field):
-            cls(**{field: 2.5})
+    check_settings_are_validated(get_stage(name))
     with pytest.raises(ConfigError, match=name):  # an unknown setting through compile()'s (name, settings)
         flowopt.compile(dspy.Predict("question -> answer"), [], lambda *a: 0.0, stages=[(name, {"no_such": 1})])
 
 
+@pytest.mark.parametrize("name", STAGE_NAMES)
+def test_every_setting_is_documented_where_declared(name):
+    cls = get_stage(name)
+    check_settings_are_documented(cls)
+    for field in dataclasses.fields(cls):  # settings grouped in a dataclass of their own (StructureSearch's)
+        if dataclasses.is_dataclass(field.default) and not isinstance(field.default, type):
+            check_settings_are_documented(type(field.default))
+
+
+@pytest.mark.parametrize("op", operator_names())
+def test_every_operator_setting_is_documented(op):
+    cls = get_operator(op)
+    doc = f"{cls.__doc__ or ''} {cls.__init__.__doc__ or ''}"
+    params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "signature")]
+    assert [p for p in params if not re.search(rf"(^|[\s,`(]){p}([`:,\s=)]|$)", doc)] == []
+
+
+@pytest.mark.parametrize("name", STAGE_NAMES)
+def test_settings_are_json(name):
+    check_settings_are_json(get_stage(name)(**recipe(name).settings))
+
+
 @pytest.mark.parametrize("name", [_mark(n, "input_unchanged") for n in STAGE_NAMES])
 def test_the_input_program_is_not_changed(name):
-    r = recipe(name)
-    program = r.program()
-    json_before, answers_before = program.canonical_json(), _answers(program, r.inputs)
-    _compile(r, name, program)
-    assert program.canonical_json() == json_before
-    assert _answers(program, r.inputs) == answers_before
+    check_input_unchanged(recipe(name), name)
 
 
 @pytest.mark.parametrize("name", [_mark(n, "same_seed") for n in STAGE_NAMES])
 def test_the_same_seed_gives_the_same_program(name, tmp_path):
-    first_run, second_run = recipe(name), recipe(name)  # each run its own LM (a local one: the same weights)
-    # Run folders make saved adapters paths relative to the run, as in program.json.
-    first = _compile(first_run, name, first_run.program(), seed=3, run_dir=tmp_path / "first")
-    second = _compile(second_run, name, second_run.program(), seed=3, run_dir=tmp_path / "second")
-    # The two runs live in two folders by construction; saved files (adapters) may name their folder.
-    assert (first.canonical_json().replace(str(tmp_path / "first"), "<run>")
-            == second.canonical_json().replace(str(tmp_path / "second"), "<run>"))
+    check_same_seed(recipe(name), recipe(name), name, tmp_path)  # each run its own LM (a local one: same weights)
 
 
 @pytest.mark.parametrize("name", [_mark(n, "budget_stop") for n in STAGE_NAMES])
@@ -238,12 +184,48 @@ def test_a_budget_stop_returns_a_program_with_a_typed_reason(name, monkeypatch):
 
     # Cache hits are free and do not spend the budget: answers stored by the other tests must not count.
     monkeypatch.setattr(dspy, "cache", Cache(enable_disk_cache=False, enable_memory_cache=True, disk_cache_dir=None))
-    r = recipe(name)
-    allowed = len(r.valset) + 1  # the baseline's calls, then one more for the stage
-    out = _compile(r, name, r.program(), budget=Budget(max_lm_calls=allowed))
-    assert isinstance(out, dspy.Module)
-    row = out.report.stage(name)
-    kind, _, limit = row.stop_reason.partition(": ")
-    assert kind == "budget" and limit.split()[0] in LIMITS, row.stop_reason
-    assert out.report.stop_reason.startswith("budget: max_lm_calls")
-    assert len(_answers(out, r.inputs[:1])) == 1  # the program returned still runs
+    check_budget_stop(recipe(name), name)
+
+
+@pytest.mark.parametrize("name", STAGE_NAMES)
+def test_a_finished_run_resumes_without_paying_again(name, tmp_path):
+    check_resume(recipe(name), name, tmp_path)
+
+
+@pytest.mark.parametrize("name", STAGE_NAMES)
+def test_files_go_only_under_the_run_folder(name, tmp_path):
+    check_files_under_run_dir(recipe(name), name, tmp_path)
+
+
+@pytest.mark.parametrize("name", STAGE_NAMES)
+def test_a_one_process_stage_is_refused_when_launched_on_several(name):
+    check_process_launch(get_stage(name), recipe(name), name)
+
+
+def test_the_contract_catches_a_stage_that_breaks_it(tmp_path):
+    @dataclasses.dataclass(frozen=True)
+    class Careless(Stage):
+        """Accepts any setting: its __post_init__ checks nothing."""
+
+        name: ClassVar[str] = "careless-conformance"
+        rounds: int = 1
+
+        def run(self, program, ctx):
+            return program
+
+    with pytest.raises(AssertionError, match="was accepted"):
+        check_settings_are_validated(Careless)
+
+    @dataclasses.dataclass(frozen=True)
+    class Littering(Stage):
+        """Writes a file in the working folder."""
+
+        name: ClassVar[str] = "littering-conformance"
+
+        def run(self, program, ctx):
+            Path("litter.txt").write_text("oops")
+            return program
+
+    register_stage(Littering)
+    with pytest.raises(AssertionError, match="wrote outside its run folder"):
+        check_files_under_run_dir(scripted_recipe(), "littering-conformance", tmp_path)

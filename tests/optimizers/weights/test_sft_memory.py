@@ -80,7 +80,6 @@ def test_training_keeps_one_frozen_copy_of_the_base_weights_in_their_dtype():
     off, and only the adapter's parameters take gradients."""
     from flowopt.lm.local import LocalLM
     from flowopt.optimizers.weights.tiny import tiny_causal_lm
-
     from tests.optimizers.weights.conftest import WORDS
 
     model, tokenizer = tiny_causal_lm(WORDS, seed=0)

@@ -39,7 +39,7 @@ def test_grpo_raises_mean_reward(tiny_local, task, tmp_path):
         ctx.evaluator.forget()  # its memo keys on prompts and demos, not on the weights behind the LM
         after = ctx.evaluate(out, ctx.valset).score  # greedy, on held-out examples
     rewards = [p["mean_reward"] for p in ctx.info["reward_curve"]]
-    assert len(rewards) == 50 and ctx.info["stop_reason"] == "steps"
+    assert len(rewards) == 50 and ctx.outcome.stop_reason == "steps"
     start, end = _mean(rewards[:10]), _mean(rewards[-10:])
     assert end > start + 0.25, f"reward {start:.2f} -> {end:.2f}"
     assert after > before + 0.25, f"held-out {before:.2f} -> {after:.2f}"
@@ -63,7 +63,7 @@ def test_sft_raises_held_out_accuracy(tiny_local, task, tmp_path):
         elapsed = time.monotonic() - started
         ctx.evaluator.forget()
         after = ctx.evaluate(out, valset).score
-    assert ctx.info["pairs"] == 48 and ctx.info["stop_reason"] == "done"
+    assert ctx.info["pairs"] == 48 and ctx.outcome.stop_reason == "done"
     assert after >= before + 0.5, f"held-out {before:.2f} -> {after:.2f}"
     assert local_of(out.lm) is tiny_local and out.lm.adapter == "finetune"  # the student, pinned to the adapter
     print(f"SFT: held-out {before:.2f} -> {after:.2f}, {elapsed:.1f}s")

@@ -149,7 +149,7 @@ def test_budget_stops_grpo_cleanly(tiny_local, task, tmp_path):
     stage = GRPO(steps=10, batch_size=2, group_size=4, max_new_tokens=2, lora=LORA)
     with budget.activate(), dspy.context(adapter=AutoAdapter()):
         out = stage.run(program, ctx)
-    assert ctx.info["stop_reason"] == "budget: max_lm_calls"
+    assert ctx.outcome.stop_reason == "budget: max_lm_calls"
     assert 1 <= ctx.info["steps_done"] < 10
     assert out.lm.adapter == "grpo" and (tmp_path / "grpo" / "adapter").is_dir()
 
@@ -161,7 +161,7 @@ def test_finetune_without_passing_traces_leaves_the_program_unchanged(tiny_local
     ctx = task.ctx(task.examples(8, seed=10), [], stage_name="finetune")
     with dspy.context(adapter=AutoAdapter()):
         out = BootstrapFinetune(teacher=wrong, lora=LORA).run(program, ctx)
-    assert out is program and ctx.info["pairs"] == 0 and "no teacher trace" in ctx.info["stop_reason"]
+    assert out is program and ctx.info["pairs"] == 0 and "no teacher trace" in ctx.outcome.stop_reason
     assert tiny_local.adapters == []
 
 

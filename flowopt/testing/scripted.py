@@ -63,6 +63,10 @@ class ScriptedEngine:
         self._lock = threading.Lock()
 
     def complete(self, request: Any) -> Response:
+        return self.answer_request(request, sleep=True)
+
+    def answer_request(self, request: Any, *, sleep: bool) -> Response:
+        """The answer to one request; ``sleep`` waits ``latency_s`` first (the async engine awaits it)."""
         system = request.system if isinstance(request.system, str) else "".join(
             p.text for p in (request.system or []))
         messages = [{"role": m.role, "content": m.text or ""} for m in request.messages]
@@ -74,7 +78,7 @@ class ScriptedEngine:
             temperature=request.config.temperature,
             demos=_demo_pairs(messages[:-1]),
         )
-        if self.latency_s:
+        if self.latency_s and sleep:
             time.sleep(self.latency_s)
         result = self.answer(parsed)
         text = result if isinstance(result, str) else _render(result)
@@ -88,19 +92,62 @@ class ScriptedEngine:
                                     total_tokens=prompt_tokens + completion_tokens))
 
     def stream(self, request: Any) -> Any:
-        from dspy.lm15 import response_to_events
+        """The answer as stream events, its text split into word-sized deltas as a server sends them."""
+        from dspy.lm15 import StreamDeltaEvent, TextDelta, response_to_events
 
-        return response_to_events(self.complete(request))
+        for event in response_to_events(self.complete(request)):
+            delta = getattr(event, "delta", None)
+            if isinstance(delta, TextDelta) and delta.text and not delta.logprobs:
+                for piece in re.findall(r"\s*\S+", delta.text) or [delta.text]:
+                    yield StreamDeltaEvent(delta=TextDelta(text=piece, part_index=delta.part_index))
+            else:
+                yield event
 
     def close(self) -> None:
         pass
 
 
+class AsyncScriptedEngine:
+    """The async counterpart DSPy awaits in ``acall``: the same answers and call count as ``sync``,
+    with ``latency_s`` awaited on the event loop; ``peak_in_flight`` counts calls that overlapped.
+
+    Example:
+        >>> import asyncio, dspy
+        >>> lm = scripted_lm(lambda req: {"answer": "yes"})
+        >>> asyncio.run(dspy.Predict("question -> answer").acall(question="ok?", lm=lm)).answer
+        'yes'
+    """
+
+    def __init__(self, sync: ScriptedEngine) -> None:
+        self.sync = sync
+        self.in_flight = 0
+        self.peak_in_flight = 0
+
+    async def complete(self, request: Any) -> Response:
+        import asyncio
+
+        self.in_flight += 1  # one event loop: no lock needed
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.sync.latency_s)
+            return self.sync.answer_request(request, sleep=False)
+        finally:
+            self.in_flight -= 1
+
+    async def stream(self, request: Any) -> Any:
+        for event in self.sync.stream(request):
+            yield event
+
+    async def aclose(self) -> None:
+        pass
+
+
 def scripted_lm(answer: AnswerFn, *, latency_s: float = 0.0, cache: bool = True,
                 model: str = "scripted/lm", **kwargs: Any) -> dspy.LM:
-    """A ``dspy.LM`` backed by a :class:`ScriptedEngine` (reach the engine as ``lm.engine``)."""
+    """A ``dspy.LM`` backed by a :class:`ScriptedEngine` (reach the engine as ``lm.engine``) and its
+    :class:`AsyncScriptedEngine` for ``acall``."""
     engine = ScriptedEngine(answer, latency_s=latency_s)
-    return dspy.LM(model, engine=engine, cache=cache, **kwargs)
+    return dspy.LM(model, engine=engine, async_engine=AsyncScriptedEngine(engine), cache=cache, **kwargs)
 
 
 def _fields(text: str) -> dict[str, str]:

@@ -3,25 +3,34 @@
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dspy.utils.callback import BaseCallback
 
-if TYPE_CHECKING:
-    from flowopt.compiler.budget import BudgetTracker
+
+class CallCounter(Protocol):
+    """What the hooks report to (:class:`~flowopt.compiler.budget.CallCounter`)."""
+
+    def before_call(self) -> None: ...
+
+    def after_call(self, ok: bool) -> None: ...
+
+    def add_real(self, usage: dict[str, Any]) -> None: ...
+
+    def add_cost(self, cost: float) -> None: ...
 
 
 class BudgetCallback(BaseCallback):
     """Refuses LM calls once a limit is reached; counts calls that returned."""
 
-    def __init__(self, tracker: BudgetTracker) -> None:
+    def __init__(self, tracker: CallCounter) -> None:
         self.tracker = tracker
 
     def on_lm_start(self, call_id: str, instance: Any, inputs: dict[str, Any]) -> None:
-        self.tracker._before_call()  # raises BudgetStop, which DSPy's callback runner lets through
+        self.tracker.before_call()  # raises BudgetStop, which DSPy's callback runner lets through
 
     def on_lm_end(self, call_id: str, outputs: Any, exception: Exception | None = None) -> None:
-        self.tracker._after_call(ok=exception is None)
+        self.tracker.after_call(ok=exception is None)
 
 
 class UsageForwarder:
@@ -30,12 +39,12 @@ class UsageForwarder:
     Forwards to the tracker that was active before (e.g. the user's ``dspy.track_usage()``).
     """
 
-    def __init__(self, tracker: BudgetTracker, inner: Any = None) -> None:
+    def __init__(self, tracker: CallCounter, inner: Any = None) -> None:
         self.tracker = tracker
         self.inner = inner
 
     def add_usage(self, lm: str, usage_entry: dict[str, Any]) -> None:
-        self.tracker._add_real(dict(usage_entry or {}))
+        self.tracker.add_real(dict(usage_entry or {}))
         if self.inner is not None:
             self.inner.add_usage(lm, usage_entry)
 
@@ -52,18 +61,18 @@ class UsageForwarder:
 class _CostList(list):
     """Looks like a module's ``history`` list to DSPy; keeps nothing, reads the cost of real calls."""
 
-    def __init__(self, tracker: BudgetTracker) -> None:
+    def __init__(self, tracker: CallCounter) -> None:
         super().__init__()
         self.tracker = tracker
 
     def append(self, entry: Any) -> None:
         # Cache hits keep the original call's cost in their entry but have empty usage: skip them.
         if isinstance(entry, dict) and entry.get("usage") and entry.get("cost"):
-            self.tracker._add_cost(entry["cost"])
+            self.tracker.add_cost(entry["cost"])
 
 
 class HistoryRecorder:
     """Placed first in ``settings.caller_modules`` so that DSPy hands it every history entry."""
 
-    def __init__(self, tracker: BudgetTracker) -> None:
+    def __init__(self, tracker: CallCounter) -> None:
         self.history = _CostList(tracker)

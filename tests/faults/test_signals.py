@@ -1,0 +1,68 @@
+"""SIGTERM and Ctrl-C (SIGINT) during a compile: a safe stop, a distinct exit status, and a resume equal to
+the uninterrupted run.
+
+The worker process (``signal_worker.py``) compiles demos then a search on a scripted LM; the test sends a
+real signal once the worker has made a given number of LM calls (the call log is the clock), checks the
+exit status (128 + signal) and the run folder, then resumes and compares with an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("signal_worker.py")
+
+
+def _run(tmp: Path, tag: str, run_dir: Path, *, resume: bool = False, signal_at: tuple[int, int] | None = None):
+    calls, out = tmp / f"{tag}.calls", tmp / f"{tag}.json"
+    env = {**os.environ, "FLOWOPT_TEST_CALL_LOG": str(calls), "DSPY_CACHEDIR": str(tmp / f"cache-{tag}")}
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(run_dir), str(out), *(["--resume"] if resume else [])],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if signal_at is not None:
+        number, after_calls = signal_at
+        deadline = time.monotonic() + 180
+        while (len(calls.read_text().splitlines()) if calls.exists() else 0) < after_calls:
+            assert proc.poll() is None, f"the run ended before call {after_calls}: {proc.communicate()[0][-2000:]}"
+            assert time.monotonic() < deadline, "no LM calls"
+            time.sleep(0.01)
+        proc.send_signal(number)
+    output = proc.communicate(timeout=300)[0]
+    return proc.returncode, output, (out.read_text() if out.exists() else None)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    tmp = tmp_path_factory.mktemp("reference")
+    code, output, program = _run(tmp, "reference", tmp / "run")
+    assert code == 0, output[-3000:]
+    return program
+
+
+# The task's baseline makes 24 LM calls, the demos stage about 15, the search the rest.
+@pytest.mark.parametrize(("number", "after_calls", "where"), [
+    (signal.SIGTERM, 60, "search"), (signal.SIGINT, 5, "baseline"),
+])
+def test_a_signal_stops_at_a_safe_point_and_resume_equals_the_uninterrupted_run(reference, tmp_path, number,
+                                                                               after_calls, where):
+    run_dir = tmp_path / "run"
+    code, output, program = _run(tmp_path, "stopped", run_dir, signal_at=(number, after_calls))
+    name = signal.Signals(number).name
+    assert code == 128 + number, output[-3000:]  # 143 for SIGTERM, 130 for SIGINT: distinct from errors (1, 2)
+    assert program is None and f"compile stopped by {name} at a safe point" in output
+    assert "--resume" in output and "Traceback" not in output
+    for path in run_dir.rglob("*.json"):  # every file left is whole
+        json.loads(path.read_text())
+    if where == "search":
+        assert (run_dir / "stages" / "00-demos" / "output.json").exists()  # finished before the signal
+        assert not (run_dir / "stages" / "01-search" / "output.json").exists()  # not marked finished
+    code, output, program = _run(tmp_path, "resumed", run_dir, resume=True)
+    assert code == 0, output[-3000:]
+    assert program == reference  # canonical JSON of the resumed run = the uninterrupted run's
