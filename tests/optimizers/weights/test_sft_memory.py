@@ -101,3 +101,16 @@ def test_training_keeps_one_frozen_copy_of_the_base_weights_in_their_dtype():
                 n: pointer for n, (_, pointer, _) in base.items()}
     finally:
         local.close()
+
+
+def test_out_of_memory_suggests_a_smaller_token_budget():
+    from flowopt.errors import OutOfMemoryError
+    from flowopt.optimizers.weights.memory import out_of_memory_errors
+
+    stage = sft.BootstrapFinetune(labels="only", micro_batch_tokens=768)
+    assert "micro_batch_tokens" in stage.memory_settings  # may change on resume: same training, less memory
+    guard = out_of_memory_errors("finetune", {"micro_batch_tokens": 768, "gradient_checkpointing": False}, {},
+                                 resume_note="nothing is lost")
+    with pytest.raises(OutOfMemoryError) as caught, guard:
+        raise MemoryError("cannot allocate")
+    assert "micro_batch_tokens=768 -> 384" in str(caught.value)
