@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"dtype": dtype, "tokens_per_s": {k: round(v, 2) for k, v in rate.items()},
                "tokens_generated": tokens, "seconds": {k: [round(s, 3) for _, s in v] for k, v in runs.items()},
                "batch1_overhead_vs_raw": round(overhead, 4), "speedup_8_callers_vs_batch1": round(speedup, 2),
-               "batch_sizes_seen": sorted(set(local._batcher.batch_sizes))}
+               "rows_per_step_seen": sorted(local.decode_stats.summary()["steps_by_rows"])}
     local.close()
     rows = [["raw `model.generate`, one prompt at a time", f"{rate['raw']:.2f}", tokens["raw"]],
             ["LocalLM via `dspy.LM`, one call at a time", f"{rate['local_batch1']:.2f}", tokens["local_batch1"]],

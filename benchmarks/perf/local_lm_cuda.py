@@ -68,7 +68,7 @@ def concurrent(fn: Callable[[Any], Any], args: list[Any]) -> list[Any]:
 def _rows(report: dict[str, Any]) -> list[list[Any]]:
     """The results table: one row per check."""
     return [["device / dtype picked automatically", f"`{report['device']}` / `{report['dtype']}`"],
-            ["batch sizes of the last calls (8 concurrent callers at the end)", report["batch_sizes"]],
+            ["rows in the last decode steps (8 concurrent callers at the end)", report["batch_sizes"]],
             ["greedy, 8 concurrent vs one at a time, fp32", f"{report['greedy_identical_fp32']} / 8 identical"],
             [f"greedy, 8 concurrent vs one at a time, {report['dtype']}",
              f"{report['greedy_identical_default_dtype']} / 8 identical"],
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         conc_tokens = sum(len(s.completion_ids) for s in together)
         report["greedy_identical_default_dtype"] = sum(a.completion_ids == b.completion_ids
                                                        for a, b in zip(sequential, together))
-        report["batch_sizes"] = local._batcher.batch_sizes[-4:]
+        report["batch_sizes"] = list(local.decode_stats.recent)[-4:]
         report["batch1_tokens_per_s"] = round(seq_tokens / seq_s, 1)
         report["concurrent8_tokens_per_s"] = round(conc_tokens / conc_s, 1)
         report["speedup_8_vs_1"] = round((conc_tokens / conc_s) / (seq_tokens / seq_s), 2)

@@ -1,7 +1,8 @@
 """Does the search pick programs that generalise? flowopt's search vs DSPy's optimizers on held-out test.
 
 A simulated task family where the choice of demos (and instructions) really matters, scored on a
-held-out test split the optimizers never see:
+held-out test split the optimizers never see (the task: :mod:`~flowopt.benchmarks.perf.search_tasks`;
+``search_defaults`` runs it against DSPy's optimizers at everyone's defaults):
 
 * per seed: 60 train, 100 val, 300 test examples; each example has a hidden difficulty, each
   training example a hidden quality as a demo (some help, some hurt). Three task shapes rotate
@@ -43,7 +44,6 @@ seeds with 7 of the methods, in seconds.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import logging
@@ -58,10 +58,9 @@ from typing import Any
 import dspy
 
 from flowopt.benchmarks.perf.harness import Goal, PerfParser, markdown_table, setup_logging, start_run
+from flowopt.benchmarks.perf.search_tasks import SHAPES, Task, mean_ci, metric
 from flowopt.optimizers.search.pruning import ALPHA
 
-SHAPES = ("spread", "needles", "instructions")
-ORIGINAL = "Given the fields `question`, produce the fields `answer`."
 STRICT_ALPHA = 0.05  # the stricter level a user can ask for (the default is pruning.ALPHA, 0.1)
 # BFRS(8)'s candidates only (extra=0), with other pruning settings: what the calls cost in guarantees.
 SAME_CANDIDATE_VARIANTS: dict[str, dict[str, Any]] = {
@@ -104,101 +103,6 @@ STATED_ERROR = ALPHA  # the stated rate: each prune decision is a one-sided test
 SMOKE = {"seeds": 2, "workers": 1, "threads": 4, "latency": 0.0, "train": 30, "val": 40, "test": 60, "tie_orders": 5,
          "methods": ["bfrs8", "flowopt8", "flowopt8_extra0", ANYTIME, "flowopt_at_bfrs8_calls", "mipro_stage",
                      "gepa_stage"]}
-
-
-def _u(*parts: Any) -> float:
-    digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
-def _norm(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-class Task:
-    """One seed's task: examples, hidden qualities and the answer rule."""
-
-    def __init__(self, seed: int, n_train: int = 60, n_val: int = 100, n_test: int = 300) -> None:
-        rng = random.Random(seed)
-        self.seed, self.shape = seed, SHAPES[seed % len(SHAPES)]
-        n = n_train + n_val + n_test
-        self.questions = [f"q{seed}-{i}: {rng.choice('abcdefgh')}{rng.randint(100, 999)}" for i in range(n)]
-        self.answers = [f"a{_u(seed, 'answer', i):.6f}"[:9] for i in range(n)]
-        self.difficulty = [rng.gauss(0.0, 1.0) for _ in range(n)]
-        if self.shape == "needles":
-            self.quality = [1.6 if rng.random() < 0.125 else rng.gauss(-0.25, 0.15) for _ in range(n_train)]
-        else:
-            self.quality = [rng.gauss(0.0, 0.7 if self.shape == "spread" else 0.4) for _ in range(n_train)]
-        self.instruction_sd = 0.6 if self.shape == "instructions" else 0.25
-        self.index = {q: i for i, q in enumerate(self.questions)}
-        examples = [dspy.Example(question=q, answer=a).with_inputs("question")
-                    for q, a in zip(self.questions, self.answers)]
-        self.train = examples[:n_train]
-        self.val = examples[n_train:n_train + n_val]
-        self.test = examples[n_train + n_val:]
-
-    def instruction_effect(self, instruction: str) -> float:
-        text = _norm(instruction)
-        if not text or text == _norm(ORIGINAL):
-            return 0.0
-        u = min(max(_u(self.seed, "instruction", text), 1e-9), 1 - 1e-9)
-        return statistics.NormalDist(0.0, self.instruction_sd).inv_cdf(u)
-
-    def demo_effect(self, demos: list[tuple[str, str]]) -> float:
-        effect, k = 0.0, 0
-        for question, answer in demos:
-            i = self.index.get(question)
-            if i is None or i >= len(self.quality):
-                continue
-            k += 1
-            effect += self.quality[i] if answer == self.answers[i] else -0.5
-        return (effect / math.sqrt(k) + (0.3 if k >= 4 else 0.0)) if k else 0.0
-
-    def probability(self, demos: list[tuple[str, str]], instruction: str, i: int) -> float:
-        logit = 0.2 + self.demo_effect(demos) + self.instruction_effect(instruction) - self.difficulty[i]
-        return 1.0 / (1.0 + math.exp(-logit))
-
-    def correct(self, demos: list[tuple[str, str]], instruction: str, i: int) -> bool:
-        key = (self.seed, tuple(q for q, _ in demos), _norm(instruction), i)
-        return _u(*key) < self.probability(demos, instruction, i)
-
-    # ---------------------------------------------------------------- the fake LM
-    def lm(self, latency: float) -> dspy.LM:
-        from flowopt.testing import scripted_lm
-
-        objective = re.compile(r"your objective is:\s*(.*)\Z", re.S)
-
-        def answer(req: Any) -> Any:
-            question = req.inputs.get("question")
-            if req.output_fields == ["answer"] and question in self.index:
-                match = objective.search(req.system)
-                instruction = match.group(1) if match else ORIGINAL
-                demos = [(str(d.get("question", "")), str(d.get("answer", ""))) for d in req.demos]
-                i = self.index[question]
-                ok = self.correct(demos, instruction, i)
-                return {"answer": self.answers[i] if ok else f"wrong-{i}"}
-            # Any other prompt (an instruction proposer, GEPA's reflection): a fresh instruction.
-            text = f"Answer the question carefully (variant {_u(self.seed, req.prompt, req.system):.6f})."
-            values = {name: text for name in req.output_fields}
-            return json.dumps(values) if "JSON" in req.system else values
-
-        return scripted_lm(answer, latency_s=latency, cache=False, model=f"scripted/sim-{self.seed}")
-
-    # ---------------------------------------------------------------- scoring without LM calls
-    def program_parts(self, program: Any) -> tuple[list[tuple[str, str]], str]:
-        predictor = program.predictors()[0]
-        demos = [(str(d.get("question", "")), str(d.get("answer", ""))) for d in predictor.demos]
-        return demos, predictor.signature.instructions
-
-    def score(self, program: Any, split: list[Any]) -> dict[str, float]:
-        demos, instruction = self.program_parts(program)
-        ids = [self.index[e.question] for e in split]
-        return {"expected": statistics.fmean(self.probability(demos, instruction, i) for i in ids),
-                "realised": statistics.fmean(float(self.correct(demos, instruction, i)) for i in ids)}
-
-
-def metric(example: Any, pred: Any, trace: Any = None) -> float:
-    return float(example.answer == pred.answer)
 
 
 # -------------------------------------------------------------------------------- methods
@@ -378,14 +282,6 @@ def run_seed(seed: int, args: Any) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------- summary
-def _ci(values: list[float]) -> list[float]:
-    from scipy.stats import t
-
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return [mean, mean, mean]
-    half = float(t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
-    return [mean, mean - half, mean + half]
 
 
 def summarise(seeds: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]:
@@ -400,10 +296,10 @@ def summarise(seeds: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]
             "test_expected": statistics.fmean(r["test"]["expected"] for r in rows),
             "test_realised": statistics.fmean(r["test"]["realised"] for r in rows),
             "val_realised": statistics.fmean(r["val"]["realised"] for r in rows),
-            "diff_expected": _ci(diffs), "diff_realised": _ci(rdiffs),
+            "diff_expected": mean_ci(diffs), "diff_realised": mean_ci(rdiffs),
             "better": sum(d > 1e-12 for d in diffs), "worse": sum(d < -1e-12 for d in diffs),
             "lm_calls": statistics.fmean(r["lm_calls"] for r in rows),
-            "calls_ratio": statistics.fmean(ratios), "calls_ratio_ci": _ci(ratios),
+            "calls_ratio": statistics.fmean(ratios), "calls_ratio_ci": mean_ci(ratios),
             "wall_s": statistics.fmean(r["wall_s"] for r in rows),
         }
         errors = [r["pruner_error"] for r in rows if "pruner_error" in r]
@@ -675,7 +571,7 @@ def _variants_notes(rows: list[dict[str, Any]]) -> list[str]:
     strict = "flowopt8_extra0_alpha05"
     if costs and base and all(SAME_CANDIDATES in r and strict in r for r in rows):
         diffs = [r[SAME_CANDIDATES]["test"]["expected"] - r[strict]["test"]["expected"] for r in rows]
-        mean, low, high = _ci(diffs)
+        mean, low, high = mean_ci(diffs)
         calls = statistics.fmean(r[SAME_CANDIDATES]["lm_calls"] / r[strict]["lm_calls"] for r in rows)
         out.append(f"* The same candidates under other settings (the default, `alpha={ALPHA}` with the finalists: "
                    f"{cost(SAME_CANDIDATES)}; against `alpha={STRICT_ALPHA}`, paired over the seeds: test "

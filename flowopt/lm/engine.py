@@ -2,7 +2,7 @@
 
 DSPy 3.4 owns caching, retries, ``n`` fan-out (one engine call per candidate), history, usage
 tracking and callbacks for any ``dspy.LM(model, engine=...)``; the engine only turns one canonical
-request into one response. It serves evaluation threads (through the LocalLM's dynamic batcher) and
+request into one response. It serves evaluation threads (through the LocalLM's continuous batch) and
 GRPO rollouts alike: a :class:`Lockstep` batching policy runs the rollouts' calls in lockstep, and a
 ``recorder`` hook sees every call's prompt ids, completion ids and log-probs.
 
@@ -98,13 +98,13 @@ def sample_response(local: LocalLM, request: Request, sample: Sample) -> Respons
 
 
 class Batching(Protocol):
-    """How the engine's calls reach the sampler (the default: the LocalLM's dynamic batcher)."""
+    """How the engine's calls reach the sampler (the default: the LocalLM's continuous batch)."""
 
     def submit(self, local: LocalLM, prompt_ids: list[int], settings: RowSettings, adapter: Any) -> Sample: ...
 
 
 class Dynamic:
-    """Evaluation threads: calls meet in the LocalLM's :class:`~flowopt.lm.batching.DynamicBatcher`."""
+    """Evaluation threads: calls join the LocalLM's continuous batch (:mod:`flowopt.lm.continuous`)."""
 
     def submit(self, local: LocalLM, prompt_ids: list[int], settings: RowSettings, adapter: Any) -> Sample:
         return local.complete_ids(prompt_ids, settings, adapter=adapter)
@@ -126,7 +126,7 @@ class Lockstep:
             self._run, live=live, max_batch_size=max_batch_size)
 
     def submit(self, local: LocalLM, prompt_ids: list[int], settings: RowSettings, adapter: Any) -> Sample:
-        local._check_length(prompt_ids, settings.max_new_tokens)
+        local.check_length(prompt_ids, settings.max_new_tokens)
         return self.batcher.submit(self.key(), (prompt_ids, settings, adapter))
 
     def _run(self, items: list[tuple[list[int], RowSettings, Any]]) -> list[Sample]:

@@ -1,14 +1,14 @@
 """``LocalLM``: a transformers causal LM in this process, served to DSPy and to training code.
 
-One object owns the weights, the tokenizer, the LoRA adapters and a dynamic batcher. DSPy sees it
+One object owns the weights, the tokenizer, the LoRA adapters and a continuous batch. DSPy sees it
 through :attr:`LocalLM.lm`, a ``dspy.LM("local/<name>", engine=...)`` (DSPy 3.4's custom-engine
 contract), so DSPy's cache, retries, ``n`` fan-out, history and callbacks apply unchanged. Training
 code (the weights stages) uses the same object directly: :attr:`model`, :attr:`tokenizer`,
 :meth:`render`, :meth:`generate`, :meth:`token_logprobs` and the adapter methods.
 
 The class is assembled by purpose: loading and device/dtype choice (:mod:`flowopt.lm.loading`),
-prompts (:mod:`flowopt.lm.prompts`), adapters (:mod:`flowopt.lm.adapters`), generation (the sampler,
-:mod:`flowopt.lm.sampling`, behind a batcher, :mod:`flowopt.lm.batching`) and scoring
+prompts (:mod:`flowopt.lm.prompts`), adapters (:mod:`flowopt.lm.adapters`), generation (the decode
+loop over a static KV cache, :mod:`flowopt.lm.decoder`, fed by :mod:`flowopt.lm.continuous`) and scoring
 (:mod:`flowopt.lm.scoring`); this module holds the object and its thin calls into them.
 """
 
@@ -18,18 +18,22 @@ import functools
 import os
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowopt.errors import ConfigError, LMError
 from flowopt.lm.adapters import AdapterSet
-from flowopt.lm.batching import DynamicBatcher
+from flowopt.lm.continuous import ContinuousBatcher
+from flowopt.lm.decode import OnTokens
+from flowopt.lm.decoder import CompileSettings
+from flowopt.lm.decoding import DecodeCapacity
 from flowopt.lm.loading import contiguous_output_projection, dir_fingerprint, load_pretrained
 from flowopt.lm.packing import pack
 from flowopt.lm.prompts import RENDER_CACHE_SIZE, Prompt, PromptRendering
-from flowopt.lm.sampling import OnTokens, RowSettings, Sample, derive_seed, sample
+from flowopt.lm.sampling import RowSettings, Sample, derive_seed, sample
 from flowopt.lm.scoring import completion_logprobs
+from flowopt.lm.stats import DecodeStats
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +41,7 @@ if TYPE_CHECKING:
     from flowopt.lm.engine import LocalDSPyLM
 
 
-class LocalLM(PromptRendering, AdapterSet):
+class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
     """A local transformers model usable from DSPy (via :attr:`lm`) and from training code.
 
     ``model`` is a registered name (``"gemma-3-270m"``, the embedded default, converted once from the
@@ -64,6 +68,12 @@ class LocalLM(PromptRendering, AdapterSet):
     batching thread needs it). After an optimizer step call :meth:`mark_weights_changed`, so DSPy's
     cache stops answering with the old weights' results.
 
+    Concurrent calls share one continuous batch (rows join between decode steps and leave when they
+    end) of at most ``max_batch_size`` rows (None: from the device's free memory). ``compile`` compiles
+    the decode step with ``torch.compile`` once per batch bucket (None: on CUDA, where CUDA graphs pay,
+    not on CPU, where compiling one bucket took longer than an evaluation); ``local.decode_stats.summary()``
+    reports rows per step over time and compile seconds.
+
     Through DSPy, ``n`` candidates are ``n`` engine calls of one request (DSPy's fan-out); with a fixed
     ``seed`` they are therefore identical, so leave ``seed`` unset for diverse candidates, or use
     :meth:`generate` (``n`` per prompt, each sample its own derived seed).
@@ -72,8 +82,8 @@ class LocalLM(PromptRendering, AdapterSet):
     def __init__(self, model: str | os.PathLike[str] = "gemma-3-270m", *, device: str | None = None,
                  dtype: str | torch.dtype | None = None, adapter: str | os.PathLike[str] | None = None,
                  chat: bool | None = None, name: str | None = None, max_new_tokens: int = 512,
-                 temperature: float = 0.0, batch_wait_ms: float = 10.0, max_batch_size: int = 16,
-                 progress: bool = True) -> None:
+                 temperature: float = 0.0, batch_wait_ms: float = 10.0, max_batch_size: int | None = None,
+                 compile: bool | None = None, progress: bool = True) -> None:
         from flowopt.lm.gemma import ALIASES, check_loaded_model, check_tokenizer, ensure_gemma
 
         source = os.fspath(model)
@@ -97,7 +107,7 @@ class LocalLM(PromptRendering, AdapterSet):
         self._setup(torch_model, tokenizer, name=name or default_name,
                     chat=chat if chat is not None else default_chat, fingerprint=fingerprint, device=device,
                     dtype=dtype, max_new_tokens=max_new_tokens, temperature=temperature,
-                    batch_wait_ms=batch_wait_ms, max_batch_size=max_batch_size)
+                    batch_wait_ms=batch_wait_ms, max_batch_size=max_batch_size, compile=compile)
         self.path: Path | None = path
         if adapter is not None:
             self.load_adapter(adapter)
@@ -105,7 +115,7 @@ class LocalLM(PromptRendering, AdapterSet):
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, *, name: str, chat: bool | None = None,
                    max_new_tokens: int = 512, temperature: float = 0.0, batch_wait_ms: float = 10.0,
-                   max_batch_size: int = 16) -> LocalLM:
+                   max_batch_size: int | None = None, compile: bool | None = None) -> LocalLM:
         """Wrap an already loaded transformers model and tokenizer (kept on their device and dtype).
 
         Such a LocalLM has no source folder, so :meth:`to_spec` refuses it; save it first.
@@ -115,13 +125,14 @@ class LocalLM(PromptRendering, AdapterSet):
         param = next(model.parameters())
         self._setup(model, tokenizer, name=name, chat=chat, fingerprint=uuid.uuid4().hex[:12],
                     device=str(param.device), dtype=param.dtype, max_new_tokens=max_new_tokens,
-                    temperature=temperature, batch_wait_ms=batch_wait_ms, max_batch_size=max_batch_size)
+                    temperature=temperature, batch_wait_ms=batch_wait_ms, max_batch_size=max_batch_size,
+                    compile=compile)
         return self
 
 
     def _setup(self, model: Any, tokenizer: Any, *, name: str, chat: bool | None, fingerprint: str,
                device: Any, dtype: Any, max_new_tokens: int, temperature: float, batch_wait_ms: float,
-               max_batch_size: int) -> None:
+               max_batch_size: int | None, compile: bool | None) -> None:
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}", fix="pass max_new_tokens=256")
         if temperature < 0:
@@ -145,8 +156,22 @@ class LocalLM(PromptRendering, AdapterSet):
         self.lock = threading.RLock()  # guards the model: batches, scoring and adapter changes
         self._fingerprint = fingerprint
         self._init_adapters()
-        self._batcher: DynamicBatcher[tuple[list[int], RowSettings, OnTokens | None], Sample] = DynamicBatcher(
-            self._run_batch, max_batch_size=max_batch_size, wait_ms=batch_wait_ms, name=f"flowopt-lm-{name}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ConfigError(f"max_batch_size must be >= 1, got {max_batch_size}",
+                              fix="pass max_batch_size=None (from the device's memory) or a positive number")
+        self._max_batch_size = max_batch_size
+        self._compile_asked = compile
+        on_cuda = self.device.type == "cuda"
+        # Compiling pays on CUDA (CUDA graphs remove the per-kernel launch cost of each step). On the shared
+        # 2-core CPU, inductor took 1,017 s to compile the embedded Gemma's step for one batch bucket
+        # (benchmarks/results/decode_side_by_side_cpu.md), more than a whole evaluation decodes in: off.
+        self.compile_settings = CompileSettings(enabled=on_cuda if compile is None else bool(compile))
+        self.decode_stats = DecodeStats(cuda=on_cuda)
+        self._decoders = {}
+        self._batcher = ContinuousBatcher(
+            lambda: self._decoder("continuous"), self.using_adapter, max_batch_size=lambda: self.max_batch_size,
+            budget=self._cache_budget, wait_ms=batch_wait_ms, name=f"flowopt-lm-{name}")
+        self._batch_wait_ms = batch_wait_ms
         self._lm: LocalDSPyLM | None = None
         self._render_messages = functools.lru_cache(maxsize=RENDER_CACHE_SIZE)(self._tokenize_messages)
 
@@ -185,60 +210,60 @@ class LocalLM(PromptRendering, AdapterSet):
         return not self.chat
 
 
-    def _check_length(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    def check_length(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        """Raise :class:`~flowopt.errors.LMError` when the prompt plus ``max_new_tokens`` exceeds the context."""
         limit = getattr(self.base_model.config, "max_position_embeddings", None)
         if limit and len(prompt_ids) + max_new_tokens > limit:
             raise LMError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens exceeds the "
                           f"model's context of {limit}", fix="shorten the prompt or lower max_tokens")
 
-
-    # -- generation --------------------------------------------------------------------------------
+    # -- decoding ----------------------------------------------------------------------------------
 
     def sample_ids(self, prompts: Sequence[Sequence[int]], rows: Sequence[RowSettings], *, adapter: Any = ...,
                    generator: Any = None) -> list[Sample]:
-        """Sample one completion per prompt in one batch, in the calling thread (no batcher).
+        """Sample one completion per prompt in one round, in the calling thread (no batcher).
 
         ``adapter`` pins the weights (see :meth:`complete_ids`); ``generator`` draws every row's
-        uniforms from one seeded stream (see :func:`flowopt.lm.sampling.sample`).
+        uniforms from one seeded stream (see :mod:`flowopt.lm.decode`).
         """
         for prompt, row in zip(prompts, rows):
-            self._check_length(prompt, row.max_new_tokens)
+            self.check_length(prompt, row.max_new_tokens)
         with self.using_adapter(adapter):
-            return sample(self._model, self.tokenizer, prompts, rows, generator=generator)
+            return sample(self._model, self.tokenizer, prompts, rows, generator=generator,
+                          decoder=self._decoder("direct"))
 
-    def _run_batch(self, state: str | None, items: list[tuple[list[int], RowSettings, OnTokens | None]]
-                   ) -> list[Sample]:
-        with self.using_adapter(state):
-            return sample(self._model, self.tokenizer, [i[0] for i in items], [i[1] for i in items],
-                          on_tokens=[i[2] for i in items])
+    def _pinned_state(self, adapter: Any) -> str | None:
+        state = self._state() if adapter is ... else adapter
+        if state is not None:
+            self._check_name(state)
+        return state
 
     def complete_ids(self, prompt_ids: Sequence[int], settings: RowSettings, *, adapter: Any = ...,
                      on_tokens: OnTokens | None = None) -> Sample:
-        """Generate one completion through the dynamic batcher (what the DSPy engine calls; thread-safe).
+        """Generate one completion in the continuous batch (what the DSPy engine calls; thread-safe).
 
         ``adapter`` pins the weights of this call: an attached adapter's name, or None for the base
-        weights; the default (``...``) uses the default weights (:attr:`active_adapter`). Calls are
-        batched only with calls of the same weights. ``on_tokens(ids)`` is called from the decode loop
-        with the row's newly decoded token ids after each step; returning False cancels the row.
+        weights; the default (``...``) uses the default weights (:attr:`active_adapter`). Calls share a
+        batch only with calls of the same weights. ``on_tokens(ids)``, when given, is called from the
+        decode thread with each step's new token ids of this call (quick, and no model calls inside);
+        returning False cancels it: the call returns what was decoded, ``finish_reason="cancelled"``
+        (:mod:`flowopt.lm.continuous`).
         """
-        self._check_length(prompt_ids, settings.max_new_tokens)
-        state = self._state() if adapter is ... else adapter
-        if state is not None:
-            self._check_name(state)
-        return self._batcher.submit((list(prompt_ids), settings, on_tokens), group=state)
+        self.check_length(prompt_ids, settings.max_new_tokens)
+        state = self._pinned_state(adapter)
+        return self._batcher.submit(list(prompt_ids), settings, group=state, on_tokens=on_tokens).result()
 
-    def complete_many(self, prompt_ids: Sequence[int], settings: Sequence[RowSettings], *,
-                      adapter: Any = ..., on_tokens: Sequence[OnTokens | None] | None = None) -> list[Sample]:
-        """Several completions of one prompt through the batcher (they join the same batch; thread-safe);
-        ``adapter`` pins the weights as in :meth:`complete_ids`; ``on_tokens[k]`` streams row ``k``."""
+    def complete_many(self, prompt_ids: Sequence[int], settings: Sequence[RowSettings], *, adapter: Any = ...,
+                      on_tokens: Callable[[int, list[int]], bool | None] | None = None) -> list[Sample]:
+        """Several completions of one prompt in the continuous batch (thread-safe); ``adapter`` pins the
+        weights as in :meth:`complete_ids`. ``on_tokens(index, ids)`` is one callback for all of them,
+        given the completion's index in ``settings``; returning False cancels that completion only."""
         for row in settings:
-            self._check_length(prompt_ids, row.max_new_tokens)
-        state = self._state() if adapter is ... else adapter
-        if state is not None:
-            self._check_name(state)
-        hooks = list(on_tokens) if on_tokens is not None else [None] * len(settings)
-        futures = [self._batcher.submit_async((list(prompt_ids), row, hook), group=state)
-                   for row, hook in zip(settings, hooks)]
+            self.check_length(prompt_ids, row.max_new_tokens)
+        state = self._pinned_state(adapter)
+        futures = [self._batcher.submit(list(prompt_ids), row, group=state,
+                                        on_tokens=None if on_tokens is None else functools.partial(on_tokens, i))
+                   for i, row in enumerate(settings)]
         return [future.result() for future in futures]
 
     def generate(self, prompts: Sequence[Prompt], *, n: int = 1, max_new_tokens: int | None = None,
@@ -272,7 +297,7 @@ class LocalLM(PromptRendering, AdapterSet):
                                         stop=tuple(stop), logprobs=logprobs))
                 ids.append(prompt_ids)
                 index.append(i)
-        size = batch_size or self._batcher.max_batch_size
+        size = batch_size or self.max_batch_size
         samples: list[Sample] = []
         for start in range(0, len(rows), size):
             samples.extend(self.sample_ids(ids[start:start + size], rows[start:start + size], adapter=adapter))
@@ -339,10 +364,12 @@ class LocalLM(PromptRendering, AdapterSet):
         return {"model": f"local/{self.name}", "source": self.source, "adapter": adapter, "chat": self.chat,
                 "device": self._requested["device"], "dtype": self._requested["dtype"],
                 "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                "batch_wait_ms": self._batcher.wait_s * 1000, "max_batch_size": self._batcher.max_batch_size}
+                "batch_wait_ms": self._batch_wait_ms, "max_batch_size": self._max_batch_size,
+                "compile": self._compile_asked}
 
     _SPEC_KEYS = frozenset({"model", "source", "adapter", "chat", "device", "dtype", "max_new_tokens",
-                            "temperature", "batch_wait_ms", "max_batch_size", "max_tokens", "model_type"})
+                            "temperature", "batch_wait_ms", "max_batch_size", "compile", "max_tokens",
+                            "model_type"})
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> LocalLM:
@@ -358,7 +385,7 @@ class LocalLM(PromptRendering, AdapterSet):
         name = model[len("local/"):].partition("@")[0]
         source = spec.get("source") or name
         kwargs = {k: spec[k] for k in ("device", "dtype", "adapter", "chat", "max_new_tokens", "temperature",
-                                       "batch_wait_ms", "max_batch_size") if spec.get(k) is not None}
+                                       "batch_wait_ms", "max_batch_size", "compile") if spec.get(k) is not None}
         if spec.get("max_tokens") is not None and "max_new_tokens" not in kwargs:
             kwargs["max_new_tokens"] = int(spec["max_tokens"])
         return cls(source, name=name, **kwargs)
@@ -366,7 +393,7 @@ class LocalLM(PromptRendering, AdapterSet):
     # -- plumbing ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the batching thread (the model stays usable for direct calls)."""
+        """Stop the decoding thread (the model stays usable for direct calls)."""
         self._batcher.close()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LocalLM:

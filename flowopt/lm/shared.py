@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 _shared: weakref.WeakValueDictionary[tuple, LocalLM] = weakref.WeakValueDictionary()
 _shared_lock = threading.Lock()
-_MODEL_KEYS = ("source", "adapter", "chat", "device", "dtype", "batch_wait_ms", "max_batch_size")
+_MODEL_KEYS = ("source", "adapter", "chat", "device", "dtype", "batch_wait_ms", "max_batch_size", "compile")
 
 
 def shared_local_lm(spec: Mapping[str, Any]) -> LocalLM:

@@ -27,7 +27,15 @@ class ProposeInstruction(dspy.Signature):
     current_instruction: str = dspy.InputField()
     task_fields: str = dspy.InputField(desc="the task's input and output fields")
     examples: str = dspy.InputField(desc="a few worked examples")
+    direction: str = dspy.InputField(desc="a direction to take the new instruction in")
     instruction: str = dspy.OutputField(desc="the new instruction, one paragraph")
+
+
+# One direction per proposal (as MIPROv2's tips): proposals from one prompt would be alike, or the same.
+DIRECTIONS = ("be specific about the output format", "be concise", "describe the task step by step",
+              "write as an expert in the task would", "say which mistakes to avoid", "be creative",
+              "say what the inputs mean", "ask for a careful, well-checked answer")
+TASK_LM = "task"  # proposer_lm="task": the program's own LM writes the proposals
 
 
 def instruction_candidates(stage: RandomSearch, program: dspy.Module, ctx: StageContext,
@@ -38,8 +46,11 @@ def instruction_candidates(stage: RandomSearch, program: dspy.Module, ctx: Stage
     for name, predictor in program.named_predictors():
         options = [predictor.signature.instructions]
         extra = list((stage.instructions or {}).get(name, [])) + list((stage.instructions or {}).get("*", []))
-        if stage.proposer_lm is not None and stage.n_proposals and name not in proposals:
-            proposals[name] = _propose(stage, predictor, space.pools.get(name, []), ctx)
+        proposer = stage.proposer_lm
+        if proposer == TASK_LM:
+            proposer = predictor.lm or dspy.settings.lm
+        if proposer is not None and stage.n_proposals and "instruction" in stage.kinds and name not in proposals:
+            proposals[name] = _propose(stage, proposer, predictor, space.pools.get(name, []), ctx)
             ctx.save_checkpoint("instructions", proposals)
         for text in [*extra, *proposals.get(name, [])]:
             if isinstance(text, str) and text.strip() and text not in options:
@@ -48,17 +59,19 @@ def instruction_candidates(stage: RandomSearch, program: dspy.Module, ctx: Stage
     return out
 
 
-def _propose(stage: RandomSearch, predictor: Any, pool: list[dict[str, Any]], ctx: StageContext) -> list[str]:
+def _propose(stage: RandomSearch, proposer: Any, predictor: Any, pool: list[dict[str, Any]],
+             ctx: StageContext) -> list[str]:
     sig = predictor.signature
     fields = f"inputs: {', '.join(sig.input_fields)}; outputs: {', '.join(sig.output_fields)}"
     shown = "\n\n".join("\n".join(f"{k}: {v}" for k, v in d.items() if k != "augmented") for d in pool[:3])
     propose = dspy.Predict(ProposeInstruction)
     out: list[str] = []
-    with dspy.context(lm=stage.proposer_lm):
+    with dspy.context(lm=proposer):
         for i in range(stage.n_proposals):
             try:
                 with ctx.budget.guard():
                     pred = propose(current_instruction=sig.instructions, task_fields=fields, examples=shown or "(none)",
+                                   direction=DIRECTIONS[i % len(DIRECTIONS)],
                                    config={"rollout_id": i, "temperature": 1.0})
             except BudgetExhausted:
                 break

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import contextvars
+import random
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
@@ -51,12 +52,17 @@ class SearchSpace:
         self.temps: dict[str, list[float | None]] = {}
         self.ensemble: dict[str, list[int]] = {}
         self.pool_exhausted_by: str | None = None
+        self.kinds: tuple[str, ...] = ()  # the kinds of extra candidates allowed (see .kinds)
 
     @classmethod
-    def build(cls, stage: RandomSearch, program: dspy.Module, ctx: StageContext, lm_pool: Executor) -> SearchSpace:
+    def build(cls, stage: RandomSearch, program: dspy.Module, ctx: StageContext, lm_pool: Executor,
+              planned: int | None = None) -> SearchSpace:
+        """The space of ``stage`` on ``program``; ``planned``: how many of its planned candidates will be
+        raced (default all ``n_candidates``), so only their shuffled bootstraps are made."""
         space = cls._start(stage, program)
         sets, unshuffled = space._fixed_sets(stage, program, ctx)
-        bootstraps = space._bootstraps(stage, program, ctx, lm_pool, unshuffled)
+        count = stage.seeded_count() if planned is None else min(stage.seeded_count(), max(0, planned - 3))
+        bootstraps = space._bootstraps(stage, program, ctx, lm_pool, count, unshuffled)
         if unshuffled:  # in the zero-shot slot, second
             sets.insert(1, bootstraps.pop(0))
         sets.extend(bootstraps)
@@ -90,6 +96,7 @@ class SearchSpace:
         space = cls()
         space.max_demos = stage.max_demos
         space.search_k = stage.search_k
+        space.kinds = tuple(stage.kinds)
         space.predictors = [n for n, _ in program.named_predictors()]
         return space
 
@@ -123,10 +130,9 @@ class SearchSpace:
                        for kind, demos in sets]
 
     def _bootstraps(self, stage: RandomSearch, program: dspy.Module, ctx: StageContext, lm_pool: Executor,
-                    unshuffled: bool = False) -> list[tuple[str, dict[str, list[dict[str, Any]]]]]:
-        """DSPy's shuffled-bootstrap candidates (after its unshuffled one, kind ``"bootstrap"``, when
-        ``unshuffled``), all bootstrapped at once on the shared LM threads."""
-        count = stage.seeded_count()
+                    count: int, unshuffled: bool = False) -> list[tuple[str, dict[str, list[dict[str, Any]]]]]:
+        """DSPy's first ``count`` shuffled-bootstrap candidates (after its unshuffled one, kind
+        ``"bootstrap"``, when ``unshuffled``), all bootstrapped at once on the shared LM threads."""
         if not count and not unshuffled:
             return []
         names = [n for n, _ in program.named_predictors()]
@@ -148,6 +154,16 @@ class SearchSpace:
         for _, exhausted in results:
             self.pool_exhausted_by = self.pool_exhausted_by or exhausted
         return [("bootstrap" if i < 0 else f"bootstrap-{i}", demos) for i, (demos, _) in zip(numbers, results)]
+
+    def fresh_bootstrap(self, stage: RandomSearch, program: dspy.Module, ctx: StageContext,
+                        number: int) -> list[list[dict[str, Any]]]:
+        """A new shuffled bootstrap of DSPy's full demo size for extra candidate ``number`` (BFRS's
+        candidate ``number``: none of the planned ones), as demos per predictor in order."""
+        demos, exhausted = shuffled_bootstrap(program, ctx, number, max_bootstrapped=max(1, stage.max_demos),
+                                              max_labeled=stage.max_labeled_demos,
+                                              metric_threshold=stage.metric_threshold)
+        self.pool_exhausted_by = self.pool_exhausted_by or exhausted
+        return [list(demos.get(name, [])) for name in self.predictors]
 
     def _node_settings(self, stage: RandomSearch, program: dspy.Module) -> None:
         nodes = getattr(program, "nodes", None)
@@ -173,16 +189,43 @@ class SearchSpace:
             params[f"{key}.n"] = 0
         return params
 
+    def extra_kinds(self) -> list[str]:
+        """The kinds of extra candidate this space can make (of those allowed): a kind needs something to
+        vary (demos to draw, more than one instruction, settings to try)."""
+        can = {"bootstrap": self.max_demos > 0, "subset": self.max_demos > 0 and any(self.pools.values()),
+               "instruction": any(len(v) > 1 for v in self.instructions.values()),
+               "settings": any(len(v) > 1 for v in self.temps.values())
+               or any(len(v) > 1 for v in self.ensemble.values())}
+        return [k for k in self.kinds if can.get(k)]
+
+    def change_one(self, kind: str, params: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+        """``params`` with one instruction (``kind="instruction"``) or one node setting (``"settings"``)
+        drawn anew among the options other than the current one."""
+        if kind == "instruction":
+            options = {f"p{i}.instr": len(self.instructions[n]) for i, n in enumerate(self.predictors)}
+        else:
+            options = {**{f"{k}.temp": len(v) for k, v in self.temps.items()},
+                       **{f"{k}.n": len(v) for k, v in self.ensemble.items()}}
+        options = {k: n for k, n in options.items() if n > 1}
+        if not options:
+            return dict(params)
+        name = rng.choice(sorted(options))
+        current = params.get(name, 0)
+        return {**params, name: rng.choice([i for i in range(options[name]) if i != current])}
+
     def apply(self, program: dspy.Module, trial: Any) -> dspy.Module:
         """A copy of ``program`` set up as the trial says (``trial`` may be a live or a frozen trial)."""
         get = _getter(trial)
         fixed = trial.user_attrs.get("demos")
+        literal = trial.user_attrs.get("demo_sets")  # an extra bootstrap's own demos, per predictor
         candidate = clone_program(program)
         named = dict(candidate.named_predictors())
         for i, name in enumerate(self.predictors):
             predictor = named[name]
             pool = self.pools[name]
-            if fixed is not None:
+            if literal is not None:
+                predictor.demos = [dspy.Example(**d) for d in literal[i]]
+            elif fixed is not None:
                 predictor.demos = [dspy.Example(**pool[idx]) for idx in fixed[i]]
             elif pool and self.max_demos:
                 k = get("int", f"p{i}.k", 1, self.max_demos) if self.search_k else self.max_demos

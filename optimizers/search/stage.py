@@ -1,21 +1,19 @@
 """``RandomSearch``: optuna search over demo sets, instructions and node settings.
 
-Candidates, in this order (candidate numbers 0, 1, ...); by default the first ``n_candidates`` are
-DSPy's ``BootstrapFewShotWithRandomSearch`` (BFRS) set, so the search is never weaker than BFRS at
-the same count:
+Candidates, in this order (candidate numbers 0, 1, ...); by default the first ``n_candidates`` (19)
+are DSPy's ``BootstrapFewShotWithRandomSearch`` (BFRS) set at DSPy's defaults (16 candidate programs),
+so the search tries every program BFRS tries:
 
 * the incumbent (the program the stage starts from);
 * zero-shot (or, when the incumbent has no demos and so is the zero-shot program, DSPy's unshuffled
   bootstrap: the demos stage's program, raced like the rest instead of scored in full), labeled
-  demos only, then ``n_candidates - 3`` shuffled bootstraps of DSPy's full demo
-  size, each with its own teacher and a random number of traces topped up with labeled demos (see
+  demos only, then ``n_candidates - 3`` shuffled bootstraps of DSPy's full demo size (see
   :func:`~flowopt.optimizers.demos.shuffled_bootstrap`; with seed 0 these are BFRS's very
   candidates). ``seeded=k`` keeps only ``k`` bootstraps and samples the rest;
-* then extra candidates sampled by optuna (random, or TPE), paid for by what pruning saved (scoring
-  every planned candidate on the whole valset is the allowance) or, under a ``Budget`` with
-  ``max_lm_calls``, by what the budget leaves: per predictor a demo subset of 1..``max_demos``
-  demos from the union of every demo above, an instruction (the original, given ones, or ones
-  written by a proposer LM), and per node the temperature and the ``ScEnsemble`` sample count.
+* then extras paid for by what pruning saved or a budget leaves (:mod:`.allowance`), each a change
+  to the leader of a *kind* learned during the search (:mod:`.kinds`): a fresh bootstrap, a demo
+  subset drawn by optuna (random or TPE), another instruction (given, or written by the task LM or a
+  ``proposer_lm``), another temperature or ``ScEnsemble`` size.
 
 Candidates are raced in waves: the examples of every live candidate share one pool of
 ``num_threads`` threads, rung by rung over one shuffled order of the valset, and after each rung the
@@ -45,6 +43,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -54,12 +53,14 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
+from flowopt.optimizers.search.allowance import STAGE_CALLS, extras_affordable, planned_count, wave_affordable
 from flowopt.optimizers.search.finalists import (
     candidate_number,
     close_finalists,
     fresh_examples,
     rescore_finalists,
 )
+from flowopt.optimizers.search.kinds import KINDS, LEADER, plan_extra
 from flowopt.optimizers.search.pruners import Look, Pruner, get_pruner, pruner_names
 from flowopt.optimizers.search.pruning import ALPHA, next_look
 from flowopt.optimizers.search.shared import run_shared
@@ -87,18 +88,19 @@ WHY_PRUNED = "why_pruned"  # user attr: the pruner's reason, in words
 class RandomSearch(Stage):
     """Search demo sets, instructions and node settings with optuna; prune only what is shown worse.
 
-    Default mix: the incumbent, zero-shot, labeled-only and ``n_candidates - 3`` shuffled bootstraps
-    (DSPy's BFRS set), then optuna-sampled extras (demo subsets of 1..``max_demos``, instructions,
-    node settings) paid for by the calls pruning saved or a ``Budget`` leaves.
+    Default mix: DSPy's BFRS set at its defaults, then extras that change the leader, of the kinds
+    that win on the task at hand, paid for by the calls pruning saved or a ``Budget`` leaves.
 
     Settings:
-        n_candidates: planned candidates, counting the incumbent, zero-shot and labeled-only ones.
+        n_candidates: planned candidates, counting the incumbent, zero-shot and labeled-only ones
+            (default 19: BFRS's 16 candidate programs and its 3 others).
         seeded: how many shuffled bootstraps among them (``None``: all ``n_candidates - 3``); the
             rest of the planned candidates are sampled.
         extra: sampled candidates beyond the planned ones: ``None`` (default) as many as the savings
             of pruning (or a ``max_lm_calls`` budget) pay for, at most ``max_extra``; an int: exactly
             that many.
         max_extra: cap on paid-for extras.
+        kinds: extra kinds allowed (:data:`~.kinds.KINDS`, default all; one with nothing to vary is skipped).
         max_demos: bootstrapped demos per seeded candidate (1..max_demos, drawn per candidate) and
             demo slots of a sampled candidate.
         search_k: for sampled candidates, also search how many demos to show (1..max_demos).
@@ -129,8 +131,9 @@ class RandomSearch(Stage):
             ``"tpe"``; extras go 4 at a time).
         finalists: how many fully scored candidates to re-score against the winner's curse (0: off).
         instructions: extra candidate instructions per predictor name (``"*"``: every predictor).
-        proposer_lm: an LM that writes ``n_proposals`` more instructions per predictor.
-        n_proposals: instructions ``proposer_lm`` writes per predictor.
+        proposer_lm: the LM that writes ``n_proposals`` more instructions per predictor: ``"task"``
+            (default) the program's own LM, ``None`` none.
+        n_proposals: instructions the proposer writes per predictor.
         temperatures: temperatures to try per node (the current one is always a candidate).
         ensemble_n: sample counts to try for ``ScEnsemble`` nodes of a Workflow.
         storage: ``None`` (sqlite file ``run_dir/search.db``; in memory without a run_dir),
@@ -152,10 +155,11 @@ class RandomSearch(Stage):
     """
 
     name: ClassVar[str] = "search"
-    n_candidates: int = 16
+    n_candidates: int = 19
     seeded: int | None = None
     extra: int | None = None
-    max_extra: int = 32
+    max_extra: int = 48
+    kinds: Sequence[str] = KINDS
     max_demos: int = 4
     search_k: bool = True
     pool_size: int = 16
@@ -169,8 +173,8 @@ class RandomSearch(Stage):
     parallel: int | None = None
     finalists: int = 3
     instructions: Mapping[str, Sequence[str]] | None = None
-    proposer_lm: Any = None
-    n_proposals: int = 3
+    proposer_lm: Any = "task"
+    n_proposals: int = 5
     temperatures: Sequence[float] = ()
     ensemble_n: Sequence[int] = ()
     storage: str | None = None
@@ -190,6 +194,9 @@ class RandomSearch(Stage):
             "alpha": above(0.0, 0.5), "sampler": one_of(*SAMPLERS), "pruner": one_of(*pruner_names()),
             "temperatures": between(0.0, 2.0), "ensemble_n": at_least(1),
         })
+        if not self.kinds or not set(self.kinds) <= set(KINDS):
+            raise ConfigError(f"RandomSearch kinds must be a non-empty subset of {list(KINDS)}, got {self.kinds!r}",
+                              fix=f"pass kinds={list(KINDS)!r}, or some of them")
         if self.stale_after_s < 2 * self.heartbeat_s:  # a live worker must get two heartbeats in
             raise ConfigError(f"RandomSearch stale_after_s must be >= 2 * heartbeat_s ({2 * self.heartbeat_s}), "
                               f"got {self.stale_after_s!r}", fix=f"pass stale_after_s={max(60, 2 * self.heartbeat_s)}")
@@ -231,32 +238,42 @@ class RandomSearch(Stage):
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        start_calls = ctx.budget.snapshot().lm_calls
+        planned = planned_count(self, len(ctx.valset), ctx.budget.remaining_calls())
         with ThreadPoolExecutor(max_workers=max(1, ctx.num_threads), thread_name_prefix="flowopt-search") as lm_pool:
-            space = SearchSpace.build(self, program, ctx, lm_pool)
+            space = SearchSpace.build(self, program, ctx, lm_pool, planned)
         study = open_study(self.storage, self.study_name, optuna.pruners.NopPruner(), ctx.run_dir, ctx.resume)
         order = list(ctx.valset)
         ctx.rng.shuffle(order)  # one fixed order: the candidates' scores are paired example by example
         n = len(order)
         ends = self.rung_ends(n)
-        planned = self.n_candidates
-        width = self.parallel or (planned if self.sampler == "random" else 4)
+        budgeted = ctx.budget.remaining_calls() is not None
+        # Under a call budget the planned candidates race 4 at a time, so each wave ends scored before the next
+        # starts, and a wave starts only while the budget pays for it (a wave cut short returns nothing).
+        width = self.parallel or (planned if self.sampler == "random" and not budgeted else 4)
         stop_reason, extras = "done", 0
+        start_calls -= study.user_attrs.get(STAGE_CALLS, 0)  # resumed: the earlier run's calls count too
         bar = ctx.progress(total=planned, desc=f"{ctx.stage_name}: candidates",
                            initial=min(planned, finished_count(study)))
         try:
             while wave := next_wave(study, planned, width):
                 ctx.budget.check()
-                asked = [self.ask_candidate(study, space, program, ctx, number, previous) for number, previous in wave]
+                if budgeted and finished_count(study) and not wave_affordable(study, n, len(wave), ctx):
+                    planned = 0  # no extras either
+                    break
+                asked = [self.ask_candidate(study, space, program, ctx, number, previous, planned)
+                         for number, previous in wave]
                 self.race(study, asked, order, ends, ctx)
                 bar.update(len(asked))
             extra_width = self.parallel or 4
-            while (count := self._extras_affordable(study, planned, n, extras, extra_width, ctx)) > 0:
+            while (count := extras_affordable(self, study, planned, n, extras, extra_width, ctx, start_calls)) > 0:
                 wave = next_wave(study, planned + extras + count, count, start=planned + extras)
                 extras += count
                 if not wave:
                     continue
                 ctx.budget.check()
-                asked = [self.ask_candidate(study, space, program, ctx, number, previous) for number, previous in wave]
+                asked = [self.ask_candidate(study, space, program, ctx, number, previous, planned)
+                         for number, previous in wave]
                 self.race(study, asked, order, ends, ctx)
                 bar.update(len(asked))
         except BudgetExhausted as err:
@@ -267,30 +284,18 @@ class RandomSearch(Stage):
             stop_reason = f"budget: {space.pool_exhausted_by}"
         return self.pick_best(study, space, program, ctx, stop_reason, ends, n)
 
-    def _extras_affordable(self, study: Any, planned: int, n_val: int, done: int, width: int,
-                           ctx: StageContext) -> int:
-        """How many extra candidates to try next (0: stop)."""
-        if self.extra is not None:
-            return min(width, self.extra - done)
-        if done >= self.max_extra:
-            return 0
-        trials = [t for t in study.get_trials(deepcopy=False) if SCORES in t.user_attrs]
-        spent = sum(len(t.user_attrs[SCORES]) for t in trials)
-        per_candidate = spent / max(1, len(trials))  # what a candidate cost, on average, so far
-        remaining = ctx.budget.remaining_calls()
-        # Under a call budget keep one valset's worth of calls for the finalists and the final check;
-        # without one the allowance is what scoring every planned candidate fully would cost.
-        room = remaining - n_val if remaining is not None else planned * n_val - spent
-        return max(0, min(width, self.max_extra - done, int(room // max(1.0, per_candidate))))
-
     def ask_candidate(self, study: Any, space: SearchSpace, program: dspy.Module, ctx: StageContext, number: int,
-             previous: Any) -> tuple[Any, dspy.Module]:
+                      previous: Any, planned: int | None = None) -> tuple[Any, dspy.Module]:
+        """Ask candidate ``number``: rerun, seed, plan an extra past ``planned`` by kind, or sample one."""
         if previous is not None:  # rerun a candidate cut short by a kill with the parameters it had
             attrs = {k: v for k, v in previous.user_attrs.items() if k not in (INTERRUPTED, SCORES)}
             study.enqueue_trial(dict(previous.params), user_attrs=attrs)
         elif number < len(space.seeded):
             kind, demos = space.seeded[number]
             study.enqueue_trial(space.fixed_params(), user_attrs={"candidate": number, "kind": kind, "demos": demos})
+        elif planned is not None and number >= planned and space.extra_kinds():  # an extra: changes the leader
+            plan_extra(study, space, ctx, number, self.sampler, self.n_candidates,
+                       lambda k: space.fresh_bootstrap(self, program, ctx, k))
         else:
             study.sampler = candidate_sampler(self.sampler, ctx.seed, number, self.n_candidates)
         trial = ask(study)
@@ -389,9 +394,11 @@ class RandomSearch(Stage):
                    if (count := sum(1 for t in pruned if len(t.user_attrs.get(SCORES, ())) == end))}
         ctx.record(candidates_tried=len(complete) + len(pruned), pruned=len(pruned), pruned_by_rung=by_rung,
                    fully_scored=len(complete), rungs=ends, pruner=self.pruner, stop_reason=stop_reason,
-                   extra=sum(1 for t in complete + pruned if t.user_attrs.get("candidate", 0) >= self.n_candidates),
-                   seeded=sum(1 for t in complete + pruned
-                              if t.user_attrs.get("kind") not in (None, "sampled", "incumbent")),
+                   extra=sum(1 for t in complete + pruned if LEADER in t.user_attrs
+                             or t.user_attrs.get("candidate", 0) >= self.n_candidates),
+                   seeded=sum(1 for t in complete + pruned if LEADER not in t.user_attrs
+                              and t.user_attrs.get("kind") not in (None, "sampled", "incumbent")),
+                   extra_kinds=dict(Counter(t.user_attrs["kind"] for t in complete + pruned if LEADER in t.user_attrs)),
                    pool_demos={n: len(p) for n, p in space.pools.items()},
                    instruction_candidates={n: len(c) for n, c in space.instructions.items()})
         if not complete:

@@ -300,7 +300,7 @@ def test_lm_batch_sets_the_local_models_batch_size(tmp_path):
     lm, _adapter = runner.make_lm(str(tmp_path / "tiny"), max_tokens=5, batch=48)
     local = local_of(lm)
     try:
-        assert local is not None and local._batcher.max_batch_size == 48
+        assert local is not None and local.max_batch_size == 48
     finally:
         local.close()
 

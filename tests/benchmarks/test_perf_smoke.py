@@ -22,7 +22,8 @@ from flowopt.benchmarks.perf.harness import read_results
 
 PERF_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "perf"
 # Imported by scripts, not run.
-SHARED_MODULES = {"__init__", "lm_workload", "structure_families", "structure_sim_world", "structure_sim_report"}
+SHARED_MODULES = {"__init__", "lm_workload", "structure_families", "structure_sim_world", "structure_sim_report",
+                  "search_tasks"}
 
 
 def _lm_throughput(r: dict[str, Any]) -> None:
@@ -61,6 +62,22 @@ def _search_generalisation(r: dict[str, Any]) -> None:
     assert set(rates) == {"15+15", "35+35"}
     assert all(set(by) == {"0.1", "0.05"} and all(0.0 <= v <= 1.0 for v in by.values())
                for rules in rates.values() for by in rules.values())
+
+
+def _search_defaults(r: dict[str, Any]) -> None:
+    # One seed a shape, every method on it, every comparison paired per shape and over all.
+    assert list(r["summary"]) == ["demos_only", "needles", "instructions", "all"]
+    methods = {"bfrs16", "mipro_light", "gepa_light", "flowopt_defaults", "bfrs8", "flowopt_bfrs8_candidates",
+               "flowopt_at_mipro_calls", "flowopt_at_gepa_calls"}
+    assert [(s["shape"], set(s["rows"])) for s in r["seeds"]] == [
+        (shape, methods) for shape in ("demos_only", "needles", "instructions")]
+    for seed in r["seeds"]:  # a budgeted row keeps to the calls of the peer it is measured against
+        rows = seed["rows"]
+        assert rows["flowopt_at_mipro_calls"]["lm_calls"] <= rows["mipro_light"]["lm_calls"]
+        assert rows["flowopt_at_gepa_calls"]["lm_calls"] <= rows["gepa_light"]["lm_calls"]
+        assert all(0.0 <= row["test"] <= 1.0 and row["lm_calls"] > 0 for row in rows.values())
+    pair = r["summary"]["all"]["pairs"]["flowopt_defaults vs bfrs16"]
+    assert pair["n"] == 3 and pair["better"] + pair["equal"] + pair["worse"] == 3
 
 
 def _hotpotqa_sft_vs_trl(r: dict[str, Any]) -> None:
@@ -121,6 +138,13 @@ def _local_lm_cuda(r: dict[str, Any]) -> None:
     assert r["batch_sizes"][-1] > 1  # the 8 concurrent callers were batched
 
 
+def _decode_side_by_side(r: dict[str, Any]) -> None:
+    assert set(r["rates"]) == {"1", "4"} and all(rate > 0 for c in r["rates"].values() for rate in c.values())
+    # Greedy, same prompts and limit, both stop at EOS: LocalLM and generate produce the same number of tokens.
+    assert all(t["local"] == t["generate"] for t in r["tokens"].values())
+    assert r["local_decode_stats"]["steps"] > 0
+
+
 def _weights_distributed(r: dict[str, Any]) -> None:
     # Gold-label SFT on 2 processes trains the 1-process adapter.
     assert r["finetune"]["max_abs_difference"] <= 1e-5 and r["finetune"]["largest_lora_B"] > 0
@@ -158,7 +182,9 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "workflow_overhead": ((), _workflow_overhead),
     "compile_vs_dspy": ((), _compile_vs_dspy),
     "search_generalisation": ((), _search_generalisation),
+    "search_defaults": ((), _search_defaults),
     "lm_throughput": ((), _lm_throughput),
+    "decode_side_by_side": ((), _decode_side_by_side),
     "hotpotqa_sft_vs_trl": (("trl",), _hotpotqa_sft_vs_trl),
     "parse_rate": ((), _parse_rate),
     "cpu_bf16_paths": ((), _cpu_bf16_paths),

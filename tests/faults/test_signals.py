@@ -22,8 +22,10 @@ WORKER = Path(__file__).with_name("signal_worker.py")
 
 
 def _run(tmp: Path, tag: str, run_dir: Path, *, resume: bool = False, signal_at: tuple[int, int] | None = None):
+    """Run the worker; its exit status, output, compiled program (or None) and real LM calls. Runs on one
+    ``run_dir`` share one DSPy cache, as a rerun on the same machine does."""
     calls, out = tmp / f"{tag}.calls", tmp / f"{tag}.json"
-    env = {**os.environ, "FLOWOPT_TEST_CALL_LOG": str(calls), "DSPY_CACHEDIR": str(tmp / f"cache-{tag}")}
+    env = {**os.environ, "FLOWOPT_TEST_CALL_LOG": str(calls), "DSPY_CACHEDIR": str(run_dir.parent / "dspy-cache")}
     proc = subprocess.Popen([sys.executable, str(WORKER), str(run_dir), str(out), *(["--resume"] if resume else [])],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if signal_at is not None:
@@ -35,15 +37,16 @@ def _run(tmp: Path, tag: str, run_dir: Path, *, resume: bool = False, signal_at:
             time.sleep(0.01)
         proc.send_signal(number)
     output = proc.communicate(timeout=300)[0]
-    return proc.returncode, output, (out.read_text() if out.exists() else None)
+    made = len(calls.read_text().splitlines()) if calls.exists() else 0
+    return proc.returncode, output, (out.read_text() if out.exists() else None), made
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> str:
+def reference(tmp_path_factory) -> tuple[str, int]:
     tmp = tmp_path_factory.mktemp("reference")
-    code, output, program = _run(tmp, "reference", tmp / "run")
+    code, output, program, calls = _run(tmp, "reference", tmp / "run")
     assert code == 0, output[-3000:]
-    return program
+    return program, calls
 
 
 # The task's baseline makes 24 LM calls, the demos stage about 15, the search the rest.
@@ -53,7 +56,7 @@ def reference(tmp_path_factory) -> str:
 def test_a_signal_stops_at_a_safe_point_and_resume_equals_the_uninterrupted_run(reference, tmp_path, number,
                                                                                after_calls, where):
     run_dir = tmp_path / "run"
-    code, output, program = _run(tmp_path, "stopped", run_dir, signal_at=(number, after_calls))
+    code, output, program, stopped_calls = _run(tmp_path, "stopped", run_dir, signal_at=(number, after_calls))
     name = signal.Signals(number).name
     assert code == 128 + number, output[-3000:]  # 143 for SIGTERM, 130 for SIGINT: distinct from errors (1, 2)
     assert program is None and f"compile stopped by {name} at a safe point" in output
@@ -63,6 +66,11 @@ def test_a_signal_stops_at_a_safe_point_and_resume_equals_the_uninterrupted_run(
     if where == "search":
         assert (run_dir / "stages" / "00-demos" / "output.json").exists()  # finished before the signal
         assert not (run_dir / "stages" / "01-search" / "output.json").exists()  # not marked finished
-    code, output, program = _run(tmp_path, "resumed", run_dir, resume=True)
+    code, output, program, resumed_calls = _run(tmp_path, "resumed", run_dir, resume=True)
     assert code == 0, output[-3000:]
-    assert program == reference  # canonical JSON of the resumed run = the uninterrupted run's
+    reference_program, reference_calls = reference
+    assert program == reference_program  # canonical JSON of the resumed run = the uninterrupted run's
+    # Calls paid twice: at most those in flight when the signal came (the worker runs 2 threads).
+    repeated = stopped_calls + resumed_calls - reference_calls
+    print(f"{name} in the {where}: {stopped_calls} + {resumed_calls} calls against {reference_calls}")
+    assert 0 <= repeated <= 2

@@ -30,5 +30,5 @@ def test_complete_many_streams_each_row_to_its_own_hook(tiny_local):
     rows = [RowSettings(max_new_tokens=6, temperature=1.0, seed=s) for s in (1, 2)]
     streams: list[list[int]] = [[], []]
     samples = tiny_local.complete_many(tiny_local.render("hello there"), rows,
-                                       on_tokens=[streams[0].extend, streams[1].extend])
+                                       on_tokens=lambda index, ids: streams[index].extend(ids))
     assert streams == [s.completion_ids for s in samples]

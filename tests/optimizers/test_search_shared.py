@@ -34,8 +34,9 @@ from flowopt.optimizers.search.shared_storage import open_rdb_storage
 postgres_cluster, postgres_url = postgres.postgres_cluster, postgres.postgres_url  # the fixtures
 WORKER = Path(__file__).parent / "shared_worker.py"
 # 12 candidates, scored on all 8 valset examples each (no pruning: verdicts would depend on timing).
+# No instruction proposals (the default has the task LM write 5): the kill points below count the plan's calls.
 SETTINGS = {"n_candidates": 12, "seeded": 1, "max_demos": 2, "max_labeled_demos": 2, "pool_size": 2,
-            "pruner": "none", "heartbeat_s": 1, "stale_after_s": 4, "wait_timeout_s": 60}
+            "pruner": "none", "heartbeat_s": 1, "stale_after_s": 4, "wait_timeout_s": 60, "proposer_lm": None}
 
 
 def _kill_and_join(victim: subprocess.Popen, survivors: list[subprocess.Popen]) -> None:

@@ -1,0 +1,189 @@
+"""Decode tokens/s side by side: LocalLM against transformers ``generate`` (dynamic cache, and static cache compiled).
+
+Run: python -m flowopt.benchmarks.perf.decode_side_by_side [--device cpu|cuda] [--model gemma|gemma-shaped|tiny]
+     [--callers 1,8,64] [--tokens 64] [--impls local,local-compiled,generate,generate-static] [--repeats 2]
+Writes benchmarks/results/decode_side_by_side.{json,md} (``--out STEM``).
+
+Every implementation decodes greedily the same GSM8K prompts (rendered once by LocalLM) with the same
+token limit, on the same weights in one process, and stops at EOS. ``C`` concurrent callers are:
+
+- ``local`` / ``local-compiled``: C threads each calling ``LocalLM.complete_ids`` (continuous batching;
+  the second with the decode step compiled, ``compile=True``: CUDA graphs on CUDA), on one shared model;
+- ``generate``: one ``model.generate`` call on the C prompts, left-padded (its default dynamic cache);
+- ``generate-static``: the same with ``cache_implementation="static"`` and its forward compiled by
+  transformers (``CompileConfig``; on CPU forced on, with inductor's default mode).
+
+At C = 1 each implementation decodes 4 prompts one after another. Rates count the tokens each row
+produced (a batched ``generate`` runs on to its longest row; that cost is counted against it). The first
+round of every implementation and caller count is a warm-up (compilation happens there; its seconds are
+reported). Implementations are interleaved over ``--repeats`` and the median is reported.
+
+GPU command (one call on the lent GPU machine, ``/work/shared/gpu/README.md`` case (a); ready to run, not yet
+run: no GPU in the session that wrote this). Build the bundle from the committed HEAD, then make one call
+that carries ``.gpu``; it runs this script and the GRPO step against TRL, about 9 minutes in all::
+
+    ../shared/gpu/build-bundle.sh .gpu --with-trl
+    bash .gpu/run-on-gpu.sh --timeout 230 --log decode.log -- python3 -m flowopt.benchmarks.perf.decode_side_by_side \
+      --device cuda --model gemma-shaped --callers 1,8,64 --tokens 64 --repeats 2 \
+      --out "$OUT/decode_side_by_side_cuda"; \
+    bash .gpu/run-on-gpu.sh --timeout 290 --log grpo.log -- python3 -m flowopt.benchmarks.perf.grpo_throughput \
+      --model gemma-shaped --device cuda --threads 8 --batch 8 --group 8 --completion 64 --steps 4 --warmup 2 \
+      --repeats 2 --impls flowopt,flowopt-ckpt,trl,trl-nockpt --out "$OUT/grpo_throughput_cuda"
+
+Back in ``$OUT``: setup.log, decode.log, grpo.log and the two results' .json/.md (commit them under
+benchmarks/results/). The goals: ``local-compiled`` >= 1.0x ``generate-static`` at 1 caller and >= 0.9x at 64.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from flowopt.benchmarks.perf.harness import Goal, PerfParser, interleaved, markdown_table, setup_logging, start_run
+from flowopt.benchmarks.perf.lm_workload import gsm8k_prompts
+
+logger = logging.getLogger(__name__)
+
+SMOKE = {"model": "tiny", "callers": "1,4", "tokens": 4, "repeats": 1, "impls": "local,generate", "dtype": "float32"}
+IMPLS = ("local", "local-compiled", "generate", "generate-static")
+
+
+def load(model: str, device: str, dtype: str, folder: Path) -> Any:
+    """The LocalLM (eager decode step) of ``--model``; a compiled twin shares its weights."""
+    from flowopt.lm import LocalLM
+
+    kwargs = {"device": device, "dtype": dtype or None, "compile": False, "batch_wait_ms": 5, "progress": False}
+    if model == "gemma":
+        return LocalLM("gemma-3-270m", **kwargs)
+    from flowopt.benchmarks.perf.local_lm_cuda import build_model
+
+    return LocalLM(build_model(folder / model, layers=18 if model == "gemma-shaped" else 2), **kwargs)
+
+
+def local_round(local: Any, prompts: list[list[int]], callers: int, tokens: int) -> tuple[int, float]:
+    """``callers`` threads, caller ``j`` decoding prompts ``j, j + callers, ...``; (tokens, seconds)."""
+    from flowopt.lm.sampling import RowSettings
+
+    settings = RowSettings(max_new_tokens=tokens)
+    produced = [0] * callers
+    barrier = threading.Barrier(callers + 1)
+
+    def caller(j: int) -> None:
+        barrier.wait()
+        for prompt in prompts[j::callers]:
+            produced[j] += len(local.complete_ids(prompt, settings).completion_ids)
+
+    threads = [threading.Thread(target=caller, args=(j,)) for j in range(callers)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return sum(produced), time.perf_counter() - began
+
+
+def generate_round(local: Any, prompts: list[list[int]], callers: int, tokens: int,
+                   static: bool) -> tuple[int, float]:
+    """``model.generate`` on ``callers`` prompts at a time; (tokens up to each row's EOS, seconds)."""
+    import torch
+    from transformers import CompileConfig
+
+    from flowopt.lm.packing import left_padded
+
+    model, eos = local.base_model, local.eos_ids
+    extra: dict[str, Any] = {}
+    if static:
+        config = CompileConfig(mode="reduce-overhead" if local.device.type == "cuda" else "default")
+        config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+        extra = {"cache_implementation": "static", "compile_config": config}
+    produced, began = 0, time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(prompts), callers):
+            ids, mask, _ = (t.to(local.device) for t in left_padded(prompts[start:start + callers], local.pad_id))
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=local.pad_id, **extra)[:, ids.shape[1]:].tolist()
+            for row in out:
+                ends = [i for i, t in enumerate(row) if t in eos]
+                produced += ends[0] + 1 if ends else len(row)
+    if local.device.type == "cuda":
+        torch.cuda.synchronize()
+    return produced, time.perf_counter() - began
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = PerfParser("decode_side_by_side", __doc__, smoke=SMOKE)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", choices=("gemma", "gemma-shaped", "tiny"), default="gemma")
+    parser.add_argument("--dtype", default="", help="float32 or bfloat16 (default: LocalLM's pick)")
+    parser.add_argument("--callers", default="1,8,64", help="comma-separated concurrent caller counts")
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per call (greedy, EOS ends early)")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
+    run = start_run(parser, argv)
+    args = run.args
+    import torch
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    impls = [i for i in args.impls.split(",") if i]
+    unknown = sorted(set(impls) - set(IMPLS))
+    if unknown:
+        parser.error(f"unknown --impls {unknown}; choose from {list(IMPLS)}")
+    callers = [int(c) for c in args.callers.split(",")]
+    from flowopt.lm import LocalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        local = load(args.model, args.device, args.dtype, Path(tmp))
+        compiled = LocalLM.from_model(local.model, local.tokenizer, name="compiled", max_new_tokens=args.tokens,
+                                      batch_wait_ms=5, compile=True)
+        prompts = [local.render(t) for t in gsm8k_prompts(max(max(callers), 4))]
+        cases: dict[str, Any] = {
+            "local": lambda c: local_round(local, prompts[:max(c, 4)], c, args.tokens),
+            "local-compiled": lambda c: local_round(compiled, prompts[:max(c, 4)], c, args.tokens),
+            "generate": lambda c: generate_round(local, prompts[:max(c, 4)], c, args.tokens, static=False),
+            "generate-static": lambda c: generate_round(local, prompts[:max(c, 4)], c, args.tokens, static=True)}
+        results: dict[str, Any] = {"device": str(local.device), "dtype": str(local.dtype).replace("torch.", ""),
+                                   "rates": {}, "warmup_s": {}, "tokens": {}}
+        for c in callers:
+            logger.info("%d caller(s): warm-up of %s", c, ", ".join(impls))
+            warm = {name: cases[name](c) for name in impls}  # compiles here
+            results["warmup_s"][str(c)] = {name: round(s, 2) for name, (_, s) in warm.items()}
+            runs = interleaved({name: (lambda name=name, c=c: cases[name](c)) for name in impls}, args.repeats)
+            results["rates"][str(c)] = {n: round(statistics.median(k / s for k, s in v), 2) for n, v in runs.items()}
+            results["tokens"][str(c)] = {n: [k for k, _ in v] for n, v in runs.items()}
+            logger.info("%d caller(s): tokens/s %s", c, results["rates"][str(c)])
+        results["local_decode_stats"] = local.decode_stats.summary()
+        results["local_compiled_decode_stats"] = compiled.decode_stats.summary()
+        local.close()
+        compiled.close()
+    rates = results["rates"]
+    rows = [[name, *(rates[str(c)].get(name, "") for c in callers)] for name in impls]
+    body = [f"Model `{args.model}` on `{results['device']}` ({results['dtype']}); greedy, up to {args.tokens} new "
+            "tokens per call; decode tokens/s (median of interleaved repeats; the first round of each is a "
+            "warm-up, seconds in the JSON).", "",
+            *markdown_table(["implementation", *(f"{c} caller(s)" for c in callers)], rows)]
+    goals = []
+    if "local" in impls and 1 in callers and 8 in callers:
+        goals.append(Goal.at_least("LocalLM, 8 callers vs 1 (tokens/s ratio)",
+                                   round(rates["8"]["local"] / rates["1"]["local"], 2), 4))
+    if "generate-static" in impls and "local-compiled" in impls:
+        for c in (1, 64):
+            if c in callers:
+                goals.append(Goal.at_least(f"LocalLM compiled vs generate static compiled, {c} caller(s)",
+                                           round(rates[str(c)]["local-compiled"] / rates[str(c)]["generate-static"], 3),
+                                           1.0 if c == 1 else 0.9))
+    run.finish("Decode tokens/s side by side: LocalLM vs transformers generate (dynamic, static compiled)",
+               results, body, goals=goals)
+    return 0
+
+
+if __name__ == "__main__":
+    setup_logging()
+    raise SystemExit(main())

@@ -1,0 +1,233 @@
+"""The decode loop over a static KV cache: prefill apart, one (optionally compiled) step for every running row.
+
+A :class:`Decoder` owns one :class:`~flowopt.lm.slots.SlotCache` and the decode step of one model. A
+:class:`DecodeRun` is the set of rows decoding together: :meth:`Decoder.admit` prefills new rows
+(eagerly, in one left-padded batch, straight into their slots) and picks their first token; each
+:meth:`Decoder.step` feeds every running row's newest token at the shared column ``t`` and picks the
+next; :meth:`Decoder.harvest` takes out the rows that ended and frees their slots. Rows may join
+between any two steps (continuous batching, :mod:`flowopt.lm.continuous`) or all at once (a seeded
+round: :func:`flowopt.lm.sampling.sample`).
+
+The step is a pure function of (token ids, positions, masks, cache view) and runs on the first
+``bucket(n)`` slots, so with ``compile=True`` ``torch.compile`` captures it once per bucket and cache
+length (on CUDA ``mode="reduce-overhead"``: CUDA graphs). The first call of each shape is timed and
+logged (:class:`~flowopt.lm.stats.DecodeStats`); if compiling fails, the step runs eagerly from then on
+and a warning says so once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from flowopt.lm.decode import Row, StopCheck, choose
+from flowopt.lm.forward import Halves, halves
+from flowopt.lm.packing import eos_ids, left_padded, pad_id
+from flowopt.lm.slots import SlotCache, power_of_two
+from flowopt.lm.stats import DecodeStats
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+_compile_failure: list[str] = []  # the first compile failure of this process (compiling is not retried)
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """How the decode step is compiled: ``enabled``, torch.compile's ``backend`` and ``mode`` (None: per device:
+    ``"reduce-overhead"`` on CUDA, the default elsewhere)."""
+
+    enabled: bool = False
+    backend: str = "inductor"
+    mode: str | None = None
+
+
+def _forward(parts: Halves, cache: Any, ids: torch.Tensor, positions: torch.Tensor, mask: Any) -> torch.Tensor:
+    """float32 logits of the last column: the step that is compiled."""
+    hidden, _ = parts.hidden(ids, mask, positions, cache=cache, use_cache=True)
+    return parts.logits(hidden[:, -1, :])
+
+
+class DecodeRun:
+    """Rows decoding together: ``rows[s]`` sits in slot ``s``; ``t`` is the column the next step writes.
+
+    ``generator`` (with ``round_size`` rows, admitted together) draws every sampled token of the run from
+    one seeded stream, one uniform per row of the round and step.
+    """
+
+    def __init__(self, *, generator: Any = None, round_size: int = 0) -> None:
+        self.rows: list[Row] = []
+        self.t = 0
+        self.generator = generator
+        self.round_size = round_size
+        self.steps = 0
+
+
+class Decoder:
+    """A static slot cache and the decode step of the model ``get_model()`` returns (it may change: PEFT).
+
+    Example:
+        >>> decoder = Decoder(lambda: model, tokenizer)  # doctest: +SKIP
+        >>> run = DecodeRun(); decoder.admit(run, [Row([2, 5, 6], RowSettings(max_new_tokens=8))])  # doctest: +SKIP
+        >>> while run.rows: decoder.step(run); done = decoder.harvest(run)  # doctest: +SKIP
+    """
+
+    def __init__(self, get_model: Any, tokenizer: Any, *, compile: CompileSettings | None = None,
+                 stats: DecodeStats | None = None) -> None:
+        self._get_model = get_model
+        self.tokenizer = tokenizer
+        model = get_model()
+        self.settings = compile or CompileSettings()
+        self.cache = SlotCache(model, static_addresses=self.settings.enabled)
+        self.pad = pad_id(tokenizer)
+        self.eos = set(eos_ids(model, tokenizer))
+        self.stops = StopCheck(tokenizer)
+        self.stats = stats or DecodeStats()
+        self._parts: tuple[Any, Halves] | None = None
+        self._compiled: Any = None
+        self._shapes: set[tuple[int, int]] = set()
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    def parts(self) -> Halves:
+        model = self._get_model()
+        if self._parts is None or self._parts[0] is not model:
+            self._parts = (model, halves(model))
+        return self._parts[1]
+
+    # -- rows joining ------------------------------------------------------------------------------
+
+    def admit(self, run: DecodeRun, rows: Sequence[Row], *, budget: int | None = None) -> bool:
+        """Prefill ``rows`` into free slots and pick their first tokens; False (nothing done) when the cache
+        they need would exceed ``budget`` bytes while other rows are running."""
+        import torch
+
+        if not rows:
+            return True
+        cache, width = self.cache, max(len(r.prompt) for r in rows)
+        n = len(run.rows)
+        if n == 0:
+            run.t = width
+        elif run.t < width:  # make room on the left for the new prompts
+            cache.ensure(n, width)
+            self._shift(run, width - run.t)
+        need = run.t + max(r.remaining for r in [*run.rows, *rows])
+        if need > cache.length and n:
+            left = min(min(r.start for r in run.rows), run.t - width)
+            self._shift(run, -left)
+            need -= left
+        slots, length = power_of_two(n + len(rows)), max(need, cache.length)
+        if budget is not None and n and cache.bytes_per_slot(power_of_two(length)) * slots > budget:
+            return False
+        cache.ensure(n + len(rows), length)
+        for i, row in enumerate(rows):
+            row.slot, row.start = n + i, run.t - len(row.prompt)
+            if run.generator is None:
+                row.seed_stream(self.device)
+        with torch.inference_mode():
+            ids, _, positions = (t.to(self.device) for t in left_padded([r.prompt for r in rows], self.pad))
+            view = cache.view(n, n + len(rows))
+            cache.set_column(view, run.t - width)
+            starts = torch.tensor([r.start for r in rows], device=self.device)
+            logits = _forward(self.parts(), view, ids, positions, cache.masks(starts, run.t - width, width))
+            run.rows.extend(rows)
+            self._accept(run, rows, logits)
+        return True
+
+    def _shift(self, run: DecodeRun, by: int) -> None:
+        self.cache.shift(len(run.rows), by)
+        run.t += by
+        for row in run.rows:
+            row.start += by
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def step(self, run: DecodeRun) -> None:
+        """Decode one token for every running row (rows that ended must be harvested first)."""
+        import torch
+
+        rows, cache = run.rows, self.cache
+        n = len(rows)
+        if n == 0:
+            return
+        bucket = min(power_of_two(n), cache.capacity)
+        spare = bucket - n
+        with torch.inference_mode():
+            device = self.device
+            ids = torch.tensor([[r.tokens[-1]] for r in rows] + [[self.pad]] * spare, device=device)
+            positions = torch.tensor([[r.position] for r in rows] + [[0]] * spare, device=device)
+            starts = torch.tensor([r.start for r in rows] + [run.t] * spare, device=device)
+            view = cache.view(0, bucket)
+            cache.set_column(view, run.t)
+            logits = self._decode(view, ids, positions, cache.masks(starts, run.t, 1))[:n]
+            run.t += 1
+            self._accept(run, rows, logits)
+        self.stats.record_step(n)
+
+    def _accept(self, run: DecodeRun, rows: Sequence[Row], logits: torch.Tensor) -> None:
+        import torch
+
+        uniforms = None
+        if run.generator is not None:
+            uniforms = torch.rand(run.round_size, generator=run.generator, device=self.device)
+        run.steps += 1
+        tokens, logps = choose(rows, logits, uniforms)
+        for j, row in enumerate(rows):
+            row.accept(tokens[j], None if logps is None else logps[j], self.eos, self.stops)
+
+    def harvest(self, run: DecodeRun) -> list[Row]:
+        """Take the rows that ended out of ``run``; the last rows move into the freed slots."""
+        done = [r for r in run.rows if r.finish is not None]
+        for row in sorted(done, key=lambda r: r.slot, reverse=True):
+            last = run.rows.pop()
+            if last is not row:
+                self.cache.move(last.slot, row.slot)
+                last.slot = row.slot
+                run.rows[row.slot] = last
+        return done
+
+    # -- compiling ---------------------------------------------------------------------------------
+
+    def _decode(self, view: Any, ids: torch.Tensor, positions: torch.Tensor, mask: Any) -> torch.Tensor:
+        parts = self.parts()
+        if not self.settings.enabled or _compile_failure:
+            return _forward(parts, view, ids, positions, mask)
+        shape = (int(ids.shape[0]), self.cache.length)
+        first = shape not in self._shapes
+        began = time.perf_counter()
+        try:
+            logits = self._compiled_step()(parts, view, ids, positions, mask)
+        except Exception as exc:  # any compiler failure: decode eagerly, and say so once
+            _compile_failure.append(f"{type(exc).__name__}: {exc}")
+            logger.warning("torch.compile of the decode step failed (%s); decoding eagerly from now on",
+                           _compile_failure[0][:300])
+            self.stats.eager_reason = _compile_failure[0]
+            return _forward(parts, view, ids, positions, mask)
+        if first:
+            self._shapes.add(shape)
+            seconds = time.perf_counter() - began
+            self.stats.compile_seconds[f"batch {shape[0]}, cache {shape[1]}"] = round(seconds, 2)
+            logger.info("compiled the decode step for batch %d, cache length %d in %.1f s", *shape, seconds)
+        return logits
+
+    def _compiled_step(self) -> Any:
+        if self._compiled is None:
+            import torch
+
+            settings = self.settings
+            mode = settings.mode
+            if mode is None and self.device.type == "cuda" and settings.backend == "inductor":
+                mode = "reduce-overhead"
+            # One graph per bucket and cache length (and adapter state): more than dynamo's default of 8.
+            config = torch._dynamo.config
+            limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, limit, max(int(getattr(config, limit)), 64))
+            self._compiled = torch.compile(_forward, backend=settings.backend, mode=mode, dynamic=False)
+        return self._compiled
