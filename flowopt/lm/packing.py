@@ -108,3 +108,35 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
         attention[i, start:p_width + len(completion)] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     return PackedBatch(ids, attention, positions, ids[:, p_width:].clone(), attention[:, p_width:].float())
+
+
+def micro_batches(lengths: Sequence[int], *, max_rows: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Indices of ``lengths`` (sequence lengths) grouped into micro-batches for :func:`pack`.
+
+    Rows are sorted by length, so each micro-batch pads little, then cut when a group reaches
+    ``max_rows`` rows or when one more row would make it hold more than ``max_tokens`` padded
+    positions (rows x its longest row). A training forward keeps activations for every padded position
+    until its backward pass, so ``max_tokens`` bounds the memory of a step whatever the batch size and
+    prompt lengths; a row longer than the budget gets a micro-batch of its own.
+
+    Example:
+        >>> micro_batches([5, 1, 4, 2], max_rows=8, max_tokens=8)
+        [[1, 3], [2], [0]]
+    """
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: lengths[j]):
+        # Sorted ascending, so row i is the longest of the group it joins.
+        too_many = len(current) >= max_rows
+        too_long = max_tokens is not None and (len(current) + 1) * lengths[i] > max_tokens
+        if current and (too_many or too_long):
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flowopt.lm.packing import PackedBatch, pack
+from flowopt.lm.packing import PackedBatch, micro_batches, pack
 from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.distributed import SINGLE, World
 from flowopt.optimizers.weights.loss import aggregate, sequence_weights, token_loss
@@ -141,10 +141,9 @@ class GRPOLearner:
         weights = sequence_weights([len(t.completion_ids) for t in items], rollouts, self.aggregation,  # type: ignore[arg-type]
                                    batch_tokens=batch_tokens, batch_rollouts=batch_rollouts)
         # Similar lengths together: less padding in every forward pass.
-        order = sorted(range(len(items)), key=lambda i: (len(items[i].prompt_ids) + len(items[i].completion_ids)))
+        lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in items]
         micros = []
-        for start in range(0, len(order), self.micro):
-            rows = order[start:start + self.micro]
+        for rows in micro_batches(lengths, max_rows=self.micro):
             chunk = [items[i] for i in rows]
             batch = pack([t.prompt_ids for t in chunk], [t.completion_ids for t in chunk], self.policy.pad_id)
             sampler = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)

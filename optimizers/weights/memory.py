@@ -57,8 +57,8 @@ def out_of_memory_errors(stage: str, free_settings: dict[str, Any], other_settin
         if not is_out_of_memory(err):
             raise
         _release_memory()
-        lower = [f"micro_batch_size={v} -> {max(1, v // 2)}" for k, v in free_settings.items()
-                 if k == "micro_batch_size" and isinstance(v, int) and v > 1]
+        lower = [f"{k}={v} -> {max(1, v // 2)}" for k, v in free_settings.items()
+                 if k in ("micro_batch_size", "micro_batch_tokens") and isinstance(v, int) and v > 1]
         if free_settings.get("gradient_checkpointing") is False:
             lower.append("gradient_checkpointing=True")
         changes = [f"{k} (now {v})" for k, v in other_settings.items()]

@@ -24,7 +24,7 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
-from flowopt.lm.packing import pack
+from flowopt.lm.packing import micro_batches, pack
 from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter
 from flowopt.optimizers.weights.distributed import SINGLE, World, agree_on_budget, current_world
@@ -36,10 +36,15 @@ from flowopt.settings import above, at_least, check_stage, one_of
 
 logger = logging.getLogger(__name__)
 
+#: Padded positions per training micro-batch: about 1.1 GB of activations on Gemma 3 270M (bf16 base, float32
+#: LoRA), so the README's finetune peaks near 3 GB of RSS instead of 10 (benchmarks/results/main_command.md).
+DEFAULT_MICRO_BATCH_TOKENS = 768
+
 
 def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, epochs: int = 3,
               learning_rate: float = 2e-4, batch_size: int = 8, micro_batch_size: int = 8,
-              lr_schedule: str = "linear", warmup_steps: int = 0, weight_decay: float = 0.0,
+              micro_batch_tokens: int | None = DEFAULT_MICRO_BATCH_TOKENS, lr_schedule: str = "linear",
+              warmup_steps: int = 0, weight_decay: float = 0.0,
               max_grad_norm: float | None = 1.0, seed: int = 0, gradient_checkpointing: bool = False,
               world: World = SINGLE, on_step: Callable[[float], None] | None = None) -> list[float]:
     """Train the policy's active adapter on ``(prompt_ids, completion_ids)`` pairs; returns the loss per step.
@@ -48,6 +53,11 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
 
     The loss is the mean negative log-likelihood over the batch's completion tokens (prompt and padding
     tokens masked out); micro-batches accumulate into one optimizer step per ``batch_size`` pairs.
+    A step's pairs are sorted by length into micro-batches of at most ``micro_batch_size`` rows and
+    ``micro_batch_tokens`` padded positions (:func:`~flowopt.lm.packing.micro_batches`; ``None``: no
+    token bound): the forward keeps activations for every padded position until the backward pass
+    (about 1.5 MB each on Gemma 3 270M in bf16 with a float32 LoRA), so the budget bounds a step's
+    memory, and sorting wastes little compute on padding. The gradient is the whole batch's either way.
     With several processes (``world``) every rank holds all pairs and draws the same order; each takes
     its share of every batch, divides by the whole batch's token count, and the gradients are summed.
     """
@@ -71,8 +81,9 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
                     mine = [batch[i] for i in world.share(len(batch))]
                     optimizer.zero_grad(set_to_none=True)
                     step_loss = 0.0
-                    for m in range(0, len(mine), micro_batch_size):
-                        micro = mine[m:m + micro_batch_size]
+                    lengths = [len(p) + len(c) for p, c in mine]
+                    for rows in micro_batches(lengths, max_rows=micro_batch_size, max_tokens=micro_batch_tokens):
+                        micro = [mine[i] for i in rows]
                         packed = pack([p for p, _ in micro], [c for _, c in micro], policy.pad_id).to(policy.device)
                         logps = completion_logprobs(model, packed)
                         loss = -(logps * packed.completion_mask).sum() / total_tokens
@@ -123,6 +134,7 @@ class BootstrapFinetune(Stage):
         learning_rate, weight_decay: AdamW's.
         batch_size: pairs per optimizer step.
         micro_batch_size: pairs per forward pass (gradients accumulate over them).
+        micro_batch_tokens: padded positions per forward pass (``None``: no bound); the step's memory.
         lr_schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` decay over the steps.
         warmup_steps: steps of linear warm-up before the schedule.
         max_grad_norm: the gradient-norm clip (``None``: none).
@@ -143,7 +155,7 @@ class BootstrapFinetune(Stage):
 
     name: ClassVar[str] = "finetune"
     multi_process: ClassVar[bool] = True
-    memory_settings: ClassVar[tuple[str, ...]] = ("micro_batch_size", "gradient_checkpointing")
+    memory_settings: ClassVar[tuple[str, ...]] = ("micro_batch_size", "micro_batch_tokens", "gradient_checkpointing")
 
     student: Any = None
     teacher: Any = None
@@ -151,6 +163,7 @@ class BootstrapFinetune(Stage):
     learning_rate: float = 2e-4
     batch_size: int = 8
     micro_batch_size: int = 8
+    micro_batch_tokens: int | None = DEFAULT_MICRO_BATCH_TOKENS
     lr_schedule: str = "linear"
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -166,7 +179,8 @@ class BootstrapFinetune(Stage):
     def __post_init__(self) -> None:
         check_stage(self, {
             "epochs": at_least(1), "learning_rate": above(0.0, 1.0), "batch_size": at_least(1),
-            "micro_batch_size": at_least(1), "lr_schedule": one_of(*SCHEDULES), "warmup_steps": at_least(0),
+            "micro_batch_size": at_least(1), "micro_batch_tokens": at_least(1), "lr_schedule": one_of(*SCHEDULES),
+            "warmup_steps": at_least(0),
             "weight_decay": at_least(0.0), "max_grad_norm": above(0.0), "max_length": at_least(1),
             "labels": one_of("only", "mix"),
         })
@@ -226,6 +240,7 @@ class BootstrapFinetune(Stage):
             with self._out_of_memory():
                 losses = sft_train(policy, data, epochs=self.epochs, learning_rate=self.learning_rate,
                                    batch_size=self.batch_size, micro_batch_size=self.micro_batch_size,
+                                   micro_batch_tokens=self.micro_batch_tokens,
                                    lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps,
                                    weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, seed=ctx.seed,
                                    gradient_checkpointing=self.gradient_checkpointing, world=world,
@@ -247,7 +262,8 @@ class BootstrapFinetune(Stage):
     def _out_of_memory(self) -> AbstractContextManager[None]:
         return out_of_memory_errors(
             "finetune",
-            {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing},
+            {"micro_batch_size": self.micro_batch_size, "micro_batch_tokens": self.micro_batch_tokens,
+             "gradient_checkpointing": self.gradient_checkpointing},
             {"batch_size": self.batch_size, "max_length": self.max_length},
             resume_note="the stages before it are kept in the run folder; a resumed run trains finetune again")
 

@@ -66,8 +66,9 @@ def main() -> None:
     seen: dict = {}
 
     def compile_with(micro: int, resume: bool) -> flowopt.Workflow:
+        # No token bound: the micro-batch size alone decides what one forward pass holds.
         stage = BootstrapFinetune(labels="only", epochs=1, batch_size=12, micro_batch_size=micro,
-                                  max_length=2048, lora=lora)
+                                  micro_batch_tokens=None, max_length=2048, lora=lora)
         with dspy.context(adapter=AutoAdapter()):
             return flowopt.compile(wf, trainset, cue_word.metric, valset=valset, stages=[stage], run_dir=run_dir,
                                    resume=resume, quiet=True, num_threads=1)

@@ -27,8 +27,8 @@ def test_finetune_out_of_memory_names_the_settings_and_resumes_with_a_smaller_mi
     assert error["message"].startswith("finetune ran out of memory")
     assert "micro_batch_size=12 -> 6" in error["message"] and "gradient_checkpointing=True" in error["message"]
     assert "batch_size (now 12)" in error["message"] and "max_length (now 2048)" in error["message"]
-    assert error["settings"] == {"micro_batch_size": 12, "gradient_checkpointing": False, "batch_size": 12,
-                                 "max_length": 2048}
+    assert error["settings"] == {"micro_batch_size": 12, "micro_batch_tokens": None, "gradient_checkpointing": False,
+                                 "batch_size": 12, "max_length": 2048}
     assert seen["files_after_error"] == ["compile.json"]  # the baseline is kept; nothing half-written
     resumed = seen["resumed"]
     assert resumed["baseline_resumed"]  # the resumed run kept the baseline instead of scoring it again
