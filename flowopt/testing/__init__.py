@@ -13,7 +13,7 @@ Example:
     'hi'
 """
 
-from flowopt.testing.scripted import AnswerFn, ScriptedEngine, ScriptedRequest, scripted_lm
+from flowopt.testing.scripted import AnswerFn, AsyncScriptedEngine, ScriptedEngine, ScriptedRequest, scripted_lm
 from flowopt.testing.stages import (
     StageRecipe,
     check_budget_stop,
@@ -31,6 +31,7 @@ from flowopt.testing.stages import (
 
 __all__ = [
     "AnswerFn",
+    "AsyncScriptedEngine",
     "ScriptedEngine",
     "ScriptedRequest",
     "StageRecipe",
