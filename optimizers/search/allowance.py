@@ -50,16 +50,41 @@ def wave_affordable(study: Any, n_val: int, count: int, ctx: StageContext) -> bo
     return remaining is None or remaining - n_val // 2 >= count * _per_candidate(study)
 
 
+def requests(ctx: StageContext) -> int:
+    """LM calls asked for so far, paid or answered by DSPy's cache. The allowance counts these, not only
+    the paid ones: a resumed search replays the candidate a kill cut short from the cache, and must count
+    those calls as the uninterrupted run counted them (with the cache off the two are the same)."""
+    snapshot = ctx.budget.snapshot()
+    return snapshot.lm_calls + snapshot.cache_hits
+
+
+class SearchCalls:
+    """The calls a search has used, over runs: its space's build in this run, plus its candidates' calls,
+    which are kept in the study after each wave so that a resumed search counts an earlier run's too."""
+
+    def __init__(self, ctx: StageContext, built_from: int) -> None:
+        self.ctx = ctx
+        self.build = requests(ctx) - built_from
+        self.candidates_from = requests(ctx)
+
+    def resume_from(self, study: Any) -> None:
+        self.candidates_from -= int(study.user_attrs.get(STAGE_CALLS, 0))
+
+    def record(self, study: Any) -> int:
+        """Keep the candidates' calls in the study; every call used so far."""
+        candidates = requests(self.ctx) - self.candidates_from
+        study.set_user_attr(STAGE_CALLS, candidates)
+        return self.build + candidates
+
+
 def extras_affordable(stage: RandomSearch, study: Any, planned: int, n_val: int, done: int, width: int,
-                      ctx: StageContext, start_calls: int) -> int:
-    """How many extra candidates to try next (0: stop); ``start_calls``: the call count the search started
-    at (less the calls of an earlier run it resumes)."""
+                      ctx: StageContext, calls: SearchCalls) -> int:
+    """How many extra candidates to try next (0: stop); ``calls``: what the search has used."""
     if stage.extra is not None:
         return min(width, stage.extra - done)
     if done >= stage.max_extra:
         return 0
     remaining = ctx.budget.remaining_calls()
-    used = ctx.budget.snapshot().lm_calls - start_calls
-    study.set_user_attr(STAGE_CALLS, used)  # kept in the study: a resumed search counts them too
+    used = calls.record(study)
     room = remaining - n_val // 2 if remaining is not None else (planned - 1) * n_val - used - n_val // 2
     return max(0, min(width, stage.max_extra - done, int(room // max(1.0, _per_candidate(study)))))

@@ -44,7 +44,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -53,7 +53,7 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
-from flowopt.optimizers.search.allowance import STAGE_CALLS, extras_affordable, planned_count, wave_affordable
+from flowopt.optimizers.search.allowance import SearchCalls, extras_affordable, planned_count, requests, wave_affordable
 from flowopt.optimizers.search.finalists import (
     candidate_number,
     close_finalists,
@@ -238,10 +238,11 @@ class RandomSearch(Stage):
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        start_calls = ctx.budget.snapshot().lm_calls
+        start_calls = requests(ctx)
         planned = planned_count(self, len(ctx.valset), ctx.budget.remaining_calls())
         with ThreadPoolExecutor(max_workers=max(1, ctx.num_threads), thread_name_prefix="flowopt-search") as lm_pool:
             space = SearchSpace.build(self, program, ctx, lm_pool, planned)
+        calls = SearchCalls(ctx, start_calls)
         study = open_study(self.storage, self.study_name, optuna.pruners.NopPruner(), ctx.run_dir, ctx.resume)
         order = list(ctx.valset)
         ctx.rng.shuffle(order)  # one fixed order: the candidates' scores are paired example by example
@@ -252,7 +253,7 @@ class RandomSearch(Stage):
         # starts, and a wave starts only while the budget pays for it (a wave cut short returns nothing).
         width = self.parallel or (planned if self.sampler == "random" and not budgeted else 4)
         stop_reason, extras = "done", 0
-        start_calls -= study.user_attrs.get(STAGE_CALLS, 0)  # resumed: the earlier run's calls count too
+        calls.resume_from(study)  # resumed: the earlier run's candidates' calls count too
         bar = ctx.progress(total=planned, desc=f"{ctx.stage_name}: candidates",
                            initial=min(planned, finished_count(study)))
         try:
@@ -260,13 +261,14 @@ class RandomSearch(Stage):
                 ctx.budget.check()
                 if budgeted and finished_count(study) and not wave_affordable(study, n, len(wave), ctx):
                     planned = 0  # no extras either
+                    stop_reason = "budget: max_lm_calls"  # stopped early by the budget, so a resume goes on
                     break
                 asked = [self.ask_candidate(study, space, program, ctx, number, previous, planned)
                          for number, previous in wave]
-                self.race(study, asked, order, ends, ctx)
+                self.race(study, asked, order, ends, ctx, before_tell=lambda: calls.record(study))
                 bar.update(len(asked))
             extra_width = self.parallel or 4
-            while (count := extras_affordable(self, study, planned, n, extras, extra_width, ctx, start_calls)) > 0:
+            while (count := extras_affordable(self, study, planned, n, extras, extra_width, ctx, calls)) > 0:
                 wave = next_wave(study, planned + extras + count, count, start=planned + extras)
                 extras += count
                 if not wave:
@@ -274,7 +276,7 @@ class RandomSearch(Stage):
                 ctx.budget.check()
                 asked = [self.ask_candidate(study, space, program, ctx, number, previous, planned)
                          for number, previous in wave]
-                self.race(study, asked, order, ends, ctx)
+                self.race(study, asked, order, ends, ctx, before_tell=lambda: calls.record(study))
                 bar.update(len(asked))
         except BudgetExhausted as err:
             stop_reason = f"budget: {err.limit}"
@@ -305,9 +307,11 @@ class RandomSearch(Stage):
         return trial, space.apply(program, trial)
 
     def race(self, study: Any, asked: list[tuple[Any, dspy.Module]], order: list[Any], ends: list[int],
-             ctx: StageContext) -> None:
+             ctx: StageContext, before_tell: Callable[[], Any] | None = None) -> None:
         """Score a wave of candidates together, rung by rung, pruning the ones shown to trail (a shared
-        search races its claimed candidates through it too)."""
+        search races its claimed candidates through it too). ``before_tell`` runs before each verdict is
+        stored (the search keeps its call count in step with the finished trials, for a resume)."""
+        tell_hook = before_tell or (lambda: None)
         from optuna.trial import TrialState
 
         alive = list(asked)
@@ -342,10 +346,12 @@ class RandomSearch(Stage):
                         if trial.number in pruned:
                             record_scores(trial, candidate, order, scores[trial.number], ctx)
                             trial.set_user_attr(WHY_PRUNED, _candidate_words(study, pruned[trial.number]))
+                            tell_hook()
                             study.tell(trial, state=TrialState.PRUNED)
                     alive = [a for a in alive if a[0].number not in pruned]
             for trial, candidate in alive:
                 record_scores(trial, candidate, order, scores[trial.number], ctx)
+                tell_hook()
                 study.tell(trial, _mean(scores[trial.number]))
         except BudgetExhausted:
             stop_running(study, [trial for trial, _ in alive], "budget")

@@ -1,27 +1,8 @@
-"""The GSM8K calculator-agent script runs end to end at its smoke size (a tiny random model) and writes
-every arm's held-out scores, per question, with intervals."""
+"""The GSM8K calculator-agent script's arms (its smoke run is a case of ``test_perf_smoke.py``)."""
 
 from __future__ import annotations
 
-import json
-
-import pytest
-
 from flowopt.benchmarks.perf import gsm8k_calculator_agent as script
-
-
-@pytest.mark.slow
-def test_the_smoke_run_writes_every_arm(tmp_path):
-    assert script.main(["--smoke", "--out", str(tmp_path / "agent")]) == 0
-    payload = json.loads((tmp_path / "agent.json").read_text())
-    results = payload["results"]
-    assert set(results["untrained"]) == {"react", "cot"}
-    assert set(results["seeds"]["0"]) == set(script.ARMS)
-    for row in [*results["untrained"].values(), *results["seeds"]["0"].values()]:
-        assert len(row["scores"]) == 3 and row["ci"][0] <= row["score"] <= row["ci"][1]
-    intermediate = results["seeds"]["0"]["react-intermediate"]["curve"][0]
-    assert intermediate["tool_calls"] >= 0 and "intermediate_reward" in intermediate
-    assert "react-intermediate" in (tmp_path / "agent.md").read_text()
 
 
 def test_only_the_intermediate_arm_sets_tool_rewards():

@@ -177,6 +177,15 @@ def _serve_load(r: dict[str, Any]) -> None:
     assert r["rss_bytes"]["end"] > 0 and r["stream_first_chunk_s"]["p50"] is not None
 
 
+def _gsm8k_calculator_agent(r: dict[str, Any]) -> None:
+    assert set(r["untrained"]) == {"react", "cot"}
+    assert set(r["seeds"]["0"]) == {"react-terminal", "react-intermediate", "cot-terminal"}
+    for row in [*r["untrained"].values(), *r["seeds"]["0"].values()]:
+        assert len(row["scores"]) == 3 and row["ci"][0] <= row["score"] <= row["ci"][1]
+    intermediate = r["seeds"]["0"]["react-intermediate"]["curve"][0]
+    assert intermediate["tool_calls"] >= 0 and "intermediate_reward" in intermediate
+
+
 # script -> (modules it needs beyond flowopt's dependencies, checks of its results)
 SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "workflow_overhead": ((), _workflow_overhead),
@@ -199,6 +208,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "shared_search": (("psycopg",), _shared_search),  # and PostgreSQL's initdb (CI installs it)
     "structure_search_sim": ((), _structure_search_sim),
     "serve_load": ((), _serve_load),
+    "gsm8k_calculator_agent": ((), _gsm8k_calculator_agent),
 }
 
 

@@ -198,7 +198,7 @@ def test_a_react_workflow_runs_on_the_served_endpoint_and_is_recorded(recording_
     from tests.optimizers.weights.word_adapter import WordAdapter
 
     base, _ = recording_server
-    lm = dspy.LM("openai/tiny", api_base=base, api_key="unused", cache=False, max_tokens=3, temperature=1.0,
+    lm = dspy.LM("openai/tiny", api_base=base, api_key="unused", cache=False, max_tokens=3, temperature=0.0,
                  extra_headers={"X-Rollout-Id": "react-1"})
     program = flowopt.Workflow("question -> answer").add(
         "solve", ReAct("question -> answer", tools=["calculator"], max_steps=2))
