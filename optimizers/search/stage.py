@@ -20,23 +20,20 @@ Candidates are raced in waves: the examples of every live candidate share one po
 pruner (:mod:`~flowopt.optimizers.search.pruners`; default ``"confidence"``: paired test against the
 leader of whether the challenger's *whole-valset* score is below the leader's, pruned only when so at
 one-sided 90% (``alpha=0.1``; ``alpha=0.05`` for 95%), looking again every 5% of the valset) stops the
-candidates that are behind. Scores are
-memoised, so the incumbent, the zero-shot program and the compiler's final check cost nothing again.
-The report lists every candidate: its kind, how many examples it was scored on, its mean there, and
-for a pruned one the pruner's reason.
+candidates that are behind. Scores are memoised, so the incumbent, the zero-shot program and the
+compiler's final check cost nothing again. The report lists every candidate: its kind, its examples
+scored, its mean there, and for a pruned one the pruner's reason.
 
 Winner's curse: the best of many valset scores is biased upward. The finalists (up to ``finalists``
-fully scored candidates that the valset cannot tell from the leader) are re-scored on training
-examples that are demos of none of them, a chunk at a time and only while their order is uncertain
-(a finalist shown worse on valset + fresh so far stops), and the winner is the best on valset + those
-examples; the report gives both scores for each finalist.
+fully scored candidates the valset cannot tell from the leader) are re-scored on training examples that
+are demos of none of them, while their order is uncertain; the winner is the best on valset + those
+examples (:mod:`.finalists`); the report gives both scores for each finalist.
 
 Storage and resume: with a ``run_dir`` the study is an sqlite file, ``search.db`` in the stage's folder
 (``run_dir/stages/NN-search/``), used by one process at a time; a killed search resumes from it
 (candidates are numbered, sampled from a sampler seeded by (seed, number), and a wave cut short is
-rerun with the parameters it had). ``storage="journal"`` uses optuna's journal file instead. Any
-other optuna RDB URL (``postgresql+psycopg://...``) is a study shared by several processes or
-machines: see :mod:`~flowopt.optimizers.search.shared`.
+rerun with the parameters it had). ``storage="journal"`` uses optuna's journal file instead; an RDB URL
+(``postgresql+psycopg://...``) is a study shared by workers (:mod:`~flowopt.optimizers.search.shared`).
 """
 
 from __future__ import annotations
@@ -117,11 +114,9 @@ class RandomSearch(Stage):
             ``1/reduction_factor`` of the challengers), ``"median"``, ``"none"``, or a user's own rule
             (:func:`~flowopt.optimizers.search.pruners.register_pruner`). The incumbent is never pruned.
         alpha: the pruners' one-sided error level per decision, and the finalists' (default 0.1,
-            :data:`~flowopt.optimizers.search.pruning.ALPHA`: each prune is a 10% test that the
-            challenger's whole-valset score is below the leader's; ``"anytime"``: over all of a
-            challenger's looks against one leader). ``alpha=0.05`` prunes a candidate that is not
-            worse half as often, for more LM calls (measured in
-            ``benchmarks/results/search_generalisation.md``).
+            :data:`~flowopt.optimizers.search.pruning.ALPHA`; ``"anytime"``: over all of a challenger's
+            looks against one leader). ``alpha=0.05`` prunes a candidate that is not worse half as
+            often, for more LM calls (``benchmarks/results/search_generalisation.md``).
         reduction_factor: successive halving's eta.
         minibatch_size: valset examples in the first rung (``confidence``, ``anytime``: at least 20;
             the other rules: at least ``max(20, 25% of the valset)``); then ``confidence`` looks again
@@ -308,9 +303,8 @@ class RandomSearch(Stage):
 
     def race(self, study: Any, asked: list[tuple[Any, dspy.Module]], order: list[Any], ends: list[int],
              ctx: StageContext, before_tell: Callable[[], Any] | None = None) -> None:
-        """Score a wave of candidates together, rung by rung, pruning the ones shown to trail (a shared
-        search races its claimed candidates through it too). ``before_tell`` runs before each verdict is
-        stored (the search keeps its call count in step with the finished trials, for a resume)."""
+        """Score a wave of candidates together, rung by rung, pruning those shown to trail (a shared search
+        races its claims through it too); ``before_tell`` runs before each verdict is stored."""
         tell_hook = before_tell or (lambda: None)
         from optuna.trial import TrialState
 
