@@ -6,14 +6,17 @@ connection at once. optuna's ``RDBStorage`` raises on the first statement that m
 :class:`RetryingRDBStorage` instead reconnects (SQLAlchemy's ``pool_pre_ping`` replaces dead pooled
 connections) and repeats the call, backing off from 0.1 s to 2 s, for up to ``retry_s`` seconds.
 
-Repeating a call is safe for this protocol:
+What a repeat does when the first attempt committed and only its reply was lost with the connection:
 
 * reads, heartbeats and attribute writes are idempotent;
-* a state change repeated after its first attempt committed (the reply was lost with the connection)
-  finds the trial already in that state: a finished trial counts as done (optuna raises
-  ``UpdateFinishedTrialError`` on the repeat, which is taken as success when the state matches); a
-  repeated claim (``RUNNING``) reads as lost, and the trial, which no worker then beats for, goes stale
-  and is requeued through the heartbeat path, exactly as when a worker dies holding it.
+* a state change finds the trial already in that state: a finished trial counts as done (optuna raises
+  ``UpdateFinishedTrialError`` on the repeat, taken as success when the state matches); a repeated claim
+  (``RUNNING``) reads as lost, and the trial, which no worker then beats for, goes stale and is requeued
+  through the heartbeat path, exactly as when a worker dies holding it;
+* not covered: a repeated ``create_new_trial`` makes a second trial (a candidate enqueued twice), and a
+  repeated ``create_new_study`` behind a one-time decision (``shared_storage.once``) reads as taken by
+  another worker, so the decision waits until ``wait_timeout_s``. Both need a cut in the instant between
+  the commit and its reply; the restart test does not hit it, and nothing here detects it.
 
 Example:
     >>> from flowopt.optimizers.search.shared_retry import is_connection_error
