@@ -10,11 +10,24 @@ trainings with the same seed, steps and examples:
 - ``cot-terminal``: the same model without tools (``ChainOfThought``), terminal rewards.
 
 Every program, and both untrained ones, is scored on the same held-out GSM8K test questions (DSPy's
-split and metric, greedy decoding); the JSON keeps every per-question score, and the report gives each
-score with its 95% interval and the paired changes (intermediate - terminal, react - cot) per seed.
+split and metric, greedy decoding); the JSON keeps every per-question score and the held-out tool calls
+by status, and the report gives each score with its 95% interval and the paired changes (intermediate -
+terminal, react - cot) per seed and pooled over seeds.
 
-Run:    python -m flowopt.benchmarks.perf.gsm8k_calculator_agent [--steps 20] [--seeds 0 1] [--test 100]
-Smoke:  python -m flowopt.benchmarks.perf.gsm8k_calculator_agent --smoke --out /tmp/agent_smoke
+The results files are rewritten after every scored arm (``results.status`` says ``running``,
+``complete`` or why it stopped), so a run killed from outside keeps what finished. ``--max-seconds``
+is a time budget for the whole run: an arm is not started when the time its kind took before no longer
+fits, a training stops between GRPO steps at the budget (its ``steps_done`` then says how far it got),
+and a scoring that would run past it stops and is reported as not scored.
+
+Run (CPU):  python -m flowopt.benchmarks.perf.gsm8k_calculator_agent [--steps 20] [--seeds 0 1] [--test 100]
+Smoke:      python -m flowopt.benchmarks.perf.gsm8k_calculator_agent --smoke --out /tmp/agent_smoke/run
+GPU (one H100/H200; /work/shared/gpu/README.md case (b): the bundle with transformers 5.24 and the six GGUF
+part calls first, then this as call 7, carrying ``.gpu``)::
+
+    bash .gpu/run-on-gpu.sh --timeout 540 --log agent.log -- python3 -m flowopt.benchmarks.perf.gsm8k_calculator_agent \
+      --device cuda --threads 8 --eval-threads 64 --train 200 --test 200 --steps 30 --batch 8 --group 8 \
+      --max-steps 3 --max-new-tokens 96 --seeds 0 1 --max-seconds 480 --out "$OUT/gsm8k_calculator_agent"
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import random
 import tempfile
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +45,16 @@ from flowopt.benchmarks.perf.harness import PerfParser, markdown_table, setup_lo
 
 logger = logging.getLogger(__name__)
 SMOKE = {"model": "tiny", "train": 4, "test": 3, "steps": 1, "batch": 1, "group": 2, "max_steps": 1,
-         "max_new_tokens": 4, "seeds": [0], "threads": 1}
+         "max_new_tokens": 4, "seeds": [0], "threads": 1, "eval_threads": 2}
 ARMS = ("react-terminal", "react-intermediate", "cot-terminal")
+TITLE = "GSM8K calculator agent: terminal vs terminal + intermediate rewards, and without tools"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = PerfParser("gsm8k_calculator_agent", __doc__, smoke=SMOKE)
     parser.add_argument("--model", default="gemma-3-270m", help="a LocalLM name or folder, or 'tiny'")
+    parser.add_argument("--device", default="cpu", help="where the student runs: cpu or cuda")
+    parser.add_argument("--dtype", default=None, help="the student's dtype (default: bf16 where native, else fp32)")
     parser.add_argument("--train", type=int, default=200)
     parser.add_argument("--test", type=int, default=100)
     parser.add_argument("--steps", type=int, default=20)
@@ -50,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tool-error", type=float, default=-0.05)
     parser.add_argument("--tool-unknown", type=float, default=-0.1)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
+    parser.add_argument("--eval-threads", type=int, default=8, help="held-out questions run at once (batched)")
+    parser.add_argument("--max-seconds", type=float, default=0.0,
+                        help="time budget for the whole run (0: none); stops cleanly and reports what finished")
     run = start_run(parser, argv)
     args = run.args
 
@@ -58,17 +78,46 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
+
+    def publish(results: dict[str, Any]) -> None:
+        run.finish(TITLE, results, report_body(args, results))
+
     with tempfile.TemporaryDirectory(prefix="gsm8k-agent-") as tmp:
-        results = run_all(args, Path(tmp))
-    run.finish("GSM8K calculator agent: terminal vs terminal + intermediate rewards, and without tools", results,
-               report_body(args, results))
+        run_all(args, Path(tmp), publish)
     return 0
 
 
-def _student(name: str, max_new_tokens: int, folder: Path) -> Any:
+class Clock:
+    """The run's time budget: what is left, and whether a unit that took ``estimate`` s before still fits.
+
+    Example:
+        >>> Clock(0).fits(1e9), Clock(0).left()
+        (True, None)
+    """
+
+    def __init__(self, max_seconds: float) -> None:
+        self.deadline = time.monotonic() + max_seconds if max_seconds > 0 else None
+
+    def left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def fits(self, estimate: float) -> bool:
+        left = self.left()
+        return left is None or left > estimate
+
+    def budget(self, reserve: float = 0.0) -> Any:
+        """A fresh tracker whose wall limit ends ``reserve`` s before the deadline (none without one)."""
+        from flowopt.compiler.budget import Budget, BudgetTracker
+
+        left = self.left()
+        return BudgetTracker(Budget(max_wall_s=max(1.0, left - reserve)) if left is not None else None)
+
+
+def _student(args: Any, folder: Path) -> Any:
     """A fresh LocalLM (no adapter); ``tiny`` is saved to ``folder`` first, so it loads like a checkpoint."""
     from flowopt.lm import LocalLM
 
+    name = args.model
     if name == "tiny":
         from flowopt.optimizers.weights.tiny import tiny_causal_lm
 
@@ -78,7 +127,7 @@ def _student(name: str, max_new_tokens: int, folder: Path) -> Any:
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
         name = str(folder)
-    return LocalLM(name, max_new_tokens=max_new_tokens, progress=False)
+    return LocalLM(name, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens, progress=False)
 
 
 def programs(max_steps: int) -> dict[str, Any]:
@@ -101,54 +150,122 @@ def stage_for(arm: str, args: Any) -> Any:
                 learning_rate=args.lr, temperature=1.0, tool_rewards=tool_rewards, checkpoint_every=0, plot=False)
 
 
-def run_all(args: Any, run_dir: Path) -> dict[str, Any]:
-    """Untrained scores, then per seed the three trainings and their held-out scores."""
+class Runner:
+    """The splits, the contexts and the clock one run shares; :meth:`score` and :meth:`train` are its units."""
+
+    def __init__(self, args: Any, run_dir: Path) -> None:
+        from flowopt.benchmarks.datasets import load_split
+
+        self.args, self.run_dir = args, run_dir
+        self.clock = Clock(args.max_seconds)
+        self.trainset = load_split("gsm8k-dspy", "train", limit=args.train, seed=0)
+        self.testset = load_split("gsm8k-dspy", "test", limit=args.test, seed=0)
+        self.seconds: dict[str, float] = {}  # the last time each kind of unit took ("score-react", "train-cot")
+
+    def ctx(self, name: str, seed: int, budget: Any) -> Any:
+        from flowopt.benchmarks.metrics import gsm8k_dspy_metric
+        from flowopt.compiler.context import StageContext
+
+        return StageContext(trainset=self.trainset, valset=self.testset, metric=gsm8k_dspy_metric, budget=budget,
+                            seed=seed, rng=random.Random(seed), run_dir=self.run_dir / name, stage_name=name,
+                            num_threads=self.args.eval_threads)
+
+    def fits(self, *kinds: str) -> bool:
+        return self.clock.fits(sum(self.seconds.get(kind, 0.0) for kind in kinds))
+
+    def score(self, program: Any, name: str, kind: str) -> dict[str, Any] | None:
+        """Held-out score and tool calls by status; ``None`` when the time budget ran out first."""
+        from flowopt.errors import BudgetExhausted
+        from flowopt.tools import tool_log
+
+        ctx = self.ctx(name, 0, self.clock.budget())
+        began = time.monotonic()
+        try:
+            with ctx.budget.activate(), tool_log() as log:
+                result = ctx.evaluate(program, self.testset)
+        except BudgetExhausted:
+            logger.info("%s: not scored, the time budget ran out", name)
+            return None
+        self.seconds[f"score-{kind}"] = time.monotonic() - began
+        statuses = Counter(call.status for call in log.calls)
+        return {"score": result.score, "ci": list(result.ci), "scores": result.scores, "errors": result.errors,
+                "tool_calls": dict(sorted(statuses.items())), "score_s": round(self.seconds[f"score-{kind}"], 1)}
+
+    def train(self, arm: str, seed: int, local: Any) -> tuple[Any, dict[str, Any]]:
+        """GRPO for ``arm`` on ``local``; stops between steps when only the scoring's time is left."""
+        import dspy
+
+        kind = "cot" if arm.startswith("cot") else "react"
+        program = programs(self.args.max_steps)[kind]
+        ctx = self.ctx(f"{arm}-{seed}", seed, self.clock.budget(reserve=self.seconds.get(f"score-{kind}", 0.0)))
+        began = time.monotonic()
+        with dspy.context(lm=local.lm.copy(cache=False)):  # the stage trains the LM the program runs on
+            trained = stage_for(arm, self.args).run(program, ctx)
+        self.seconds[f"train-{kind}"] = time.monotonic() - began
+        keys = ("step", "mean_reward", "mean_score", "format_failures", "tool_calls", "intermediate_reward", "step_s")
+        return trained, {"train_s": round(self.seconds[f"train-{kind}"], 1),
+                         "steps_done": ctx.info.get("steps_done"), "stop_reason": ctx.info.get("stop_reason"),
+                         "curve": [{k: p.get(k) for k in keys} for p in ctx.info["reward_curve"]]}
+
+
+def run_all(args: Any, run_dir: Path, publish: Any) -> dict[str, Any]:
+    """Untrained scores, then per seed the three trainings and their held-out scores; publishes as it goes."""
     import dspy
 
-    from flowopt.benchmarks.datasets import load_split
-    from flowopt.benchmarks.metrics import gsm8k_dspy_metric
-    from flowopt.compiler.budget import BudgetTracker
-    from flowopt.compiler.context import StageContext
     from flowopt.lm import AutoAdapter
 
-    trainset = load_split("gsm8k-dspy", "train", limit=args.train, seed=0)
-    testset = load_split("gsm8k-dspy", "test", limit=args.test, seed=0)
-    results: dict[str, Any] = {"untrained": {}, "seeds": {}}
+    runner = Runner(args, run_dir)
+    results: dict[str, Any] = {"status": "running", "untrained": {}, "seeds": {}, "not_run": []}
 
-    def ctx_for(name: str, seed: int) -> Any:
-        return StageContext(trainset=trainset, valset=testset, metric=gsm8k_dspy_metric, budget=BudgetTracker(),
-                            seed=seed, rng=random.Random(seed), run_dir=run_dir / name, stage_name=name,
-                            num_threads=8)
+    def stop(reason: str, pending: list[str]) -> dict[str, Any]:
+        results.update(status=f"stopped: {reason}", not_run=[*results["not_run"], *pending])
+        publish(results)
+        return results
 
-    def score(program: Any, ctx: Any) -> dict[str, Any]:
-        ctx.evaluator.forget()  # its memo keys on prompts, not on the weights behind the LM
-        result = ctx.evaluate(program, testset)
-        return {"score": result.score, "ci": list(result.ci), "scores": result.scores, "errors": result.errors}
-
+    pending = [f"untrained {name}" for name in ("react", "cot")]
+    pending += [f"{arm} seed {s}" for s in args.seeds for arm in ARMS]
     with dspy.context(adapter=AutoAdapter()):
         for name, program in programs(args.max_steps).items():
-            local = _student(args.model, args.max_new_tokens, run_dir / "tiny-model")
+            local = _student(args, run_dir / "tiny-model")
             with dspy.context(lm=local.lm.copy(cache=False)):
-                results["untrained"][name] = score(program, ctx_for(f"untrained-{name}", 0))
+                row = runner.score(program, f"untrained-{name}", name)
             local.close()
+            if row is None:
+                return stop("time budget (untrained scoring)", pending)
+            results["untrained"][name] = row
+            pending.pop(0)
+            publish(results)
         for seed in args.seeds:
-            per_seed: dict[str, Any] = {}
+            per_seed: dict[str, Any] = results["seeds"].setdefault(str(seed), {})
             for arm in ARMS:
-                local = _student(args.model, args.max_new_tokens, run_dir / "tiny-model")
-                program = programs(args.max_steps)["cot" if arm.startswith("cot") else "react"]
-                ctx = ctx_for(f"{arm}-{seed}", seed)
-                began = time.perf_counter()
-                with dspy.context(lm=local.lm.copy(cache=False)):  # the stage trains the LM the program runs on
-                    trained = stage_for(arm, args).run(program, ctx)
-                keys = ("step", "mean_reward", "mean_score", "format_failures", "tool_calls", "intermediate_reward",
-                        "step_s")
-                per_seed[arm] = {"train_s": round(time.perf_counter() - began, 1),
-                                 "curve": [{k: p.get(k) for k in keys} for p in ctx.info["reward_curve"]],
-                                 **score(trained, ctx)}
-                logger.info("seed %d %s: held-out %.3f", seed, arm, per_seed[arm]["score"])
+                kind = "cot" if arm.startswith("cot") else "react"
+                if not runner.fits(f"train-{kind}", f"score-{kind}"):
+                    return stop(f"time budget (before {arm} seed {seed})", pending)
+                local = _student(args, run_dir / "tiny-model")
+                trained, info = runner.train(arm, seed, local)
+                with dspy.context(lm=local.lm.copy(cache=False)):
+                    row = runner.score(trained, f"{arm}-{seed}", kind)
                 local.close()
-            results["seeds"][str(seed)] = per_seed
+                if row is None:
+                    return stop(f"time budget (scoring {arm} seed {seed})", pending)
+                per_seed[arm] = {**info, **row}
+                pending.pop(0)
+                logger.info("seed %d %s: held-out %.3f after %s steps", seed, arm, row["score"], info["steps_done"])
+                publish(results)
+    results["status"] = "complete"
+    publish(results)
     return results
+
+
+def pooled(results: dict[str, Any], arm: str, base: str) -> dict[str, Any] | None:
+    """``arm - base`` paired per (seed, question) over every seed where both were scored."""
+    from flowopt.benchmarks.scoring import paired_change
+
+    pairs = [(arms[base]["scores"], arms[arm]["scores"]) for arms in results["seeds"].values()
+             if arm in arms and base in arms]
+    if not pairs:
+        return None
+    return paired_change({"scores": [s for b, _ in pairs for s in b]}, {"scores": [s for _, a in pairs for s in a]})
 
 
 def report_body(args: Any, results: dict[str, Any]) -> list[str]:
@@ -157,21 +274,39 @@ def report_body(args: Any, results: dict[str, Any]) -> list[str]:
     def cell(row: dict[str, Any]) -> str:
         return f"{row['score']:.3f} [{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]"
 
-    def change(after: dict[str, Any], before: dict[str, Any]) -> str:
-        c = paired_change(before, after)
-        return f"{c['mean']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]"
+    def change(c: dict[str, Any] | None) -> str:
+        return "-" if c is None else f"{c['mean']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]"
 
-    rows = [[f"untrained {name}", "-", cell(row), "-"] for name, row in results["untrained"].items()]
+    def tools(row: dict[str, Any]) -> str:
+        calls = row.get("tool_calls") or {}
+        return ", ".join(f"{k} {v}" for k, v in calls.items()) or "none"
+
+    rows = [[f"untrained {name}", "-", "-", cell(row), "-", tools(row)] for name, row in results["untrained"].items()]
     for seed, arms in results["seeds"].items():
         for arm, row in arms.items():
-            paired = change(row, arms["react-terminal"]) if arm != "react-terminal" else "-"
-            rows.append([arm, seed, cell(row), paired])
-    return [f"Student: {args.model}; {args.train} GSM8K training questions, {args.test} held-out test questions "
-            f"(DSPy's split and metric); GRPO {args.steps} steps, B={args.batch} x G={args.group}, lr {args.lr:g}, "
-            f"ReAct max_steps {args.max_steps}, {args.max_new_tokens} new tokens a call; tool rewards ok "
-            f"{args.tool_ok:g}, error {args.tool_error:g}, unknown tool {args.tool_unknown:g}.", "",
-            *markdown_table(["program", "seed", "held-out score [95% CI]", "paired vs react-terminal [95% CI]"],
-                            rows, align="llrr")]
+            paired = change(paired_change(arms["react-terminal"], row)) if arm != "react-terminal" else "-"
+            rows.append([arm, seed, f"{row['steps_done']}/{args.steps}", cell(row), paired, tools(row)])
+    curves = [[arm, seed, " ".join(f"{p['mean_reward']:.2f}" for p in row["curve"]),
+               sum(p.get("tool_calls") or 0 for p in row["curve"]), row["train_s"]]
+              for seed, arms in results["seeds"].items() for arm, row in arms.items()]
+    summary = [["intermediate - terminal (react)", change(pooled(results, "react-intermediate", "react-terminal"))],
+               ["tools - no tools (trained, terminal)", change(pooled(results, "react-terminal", "cot-terminal"))]]
+    untrained = results["untrained"]
+    if "react" in untrained and "cot" in untrained:
+        summary.append(["tools - no tools (untrained)", change(paired_change(untrained["cot"], untrained["react"]))])
+    return [f"Status: **{results['status']}**" + (f"; not run: {', '.join(results['not_run'])}"
+                                                   if results["not_run"] else "") + ".", "",
+            f"Student: {args.model} on {args.device}; {args.train} GSM8K training questions, {args.test} held-out "
+            f"test questions (DSPy's split and metric); GRPO {args.steps} steps, B={args.batch} x G={args.group}, "
+            f"lr {args.lr:g}; ReAct max_steps {args.max_steps}, {args.max_new_tokens} new tokens a call; tool "
+            f"rewards ok {args.tool_ok:g}, error {args.tool_error:g}, unknown tool {args.tool_unknown:g}.", "",
+            *markdown_table(["program", "seed", "GRPO steps", "held-out score [95% CI]",
+                             "paired vs react-terminal [95% CI]", "held-out tool calls"], rows, align="llrrrl"),
+            "", "Pooled over seeds (paired per seed and question):", "",
+            *markdown_table(["change", "mean [95% CI]"], summary, align="lr"),
+            "", "Training (mean reward per GRPO step):", "",
+            *markdown_table(["arm", "seed", "mean reward by step", "tool calls in rollouts", "train s"], curves,
+                            align="llrrr")]
 
 
 if __name__ == "__main__":

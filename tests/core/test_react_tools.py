@@ -128,3 +128,27 @@ def test_python_tool_runs_in_the_sandbox():
     assert (ok.status, ok.result) == ("ok", "45")
     failed = get_tool("python")("import socket; socket.socket()")
     assert failed.status == "error" and failed.result is None
+
+
+def test_the_local_models_completion_adapter_carries_the_tool_choice_as_fields():
+    """The completion-style adapter (what the local base model gets): the act step is a document to continue,
+    ending at ``Next Thought:`` with the tool catalogue among its inputs; the tool and its argument come back
+    as labelled lines, no native tool-calling API involved."""
+    from flowopt.lm import CompletionAdapter
+    from tests.lm.test_completion_adapter import _lm
+
+    def continue_document(prompt):
+        if prompt.endswith("Answer:"):
+            return " " + prompt.split("Observation 1: ")[1].split("\n")[0]
+        if "Observation 1" in prompt:
+            return " I have it.\nNext Tool: finish\nTool Input: none\n"
+        return " Add them.\nNext Tool: calculator\nTool Input: 17 * 3 + 4\n"
+
+    lm, engine = _lm(continue_document)
+    with dspy.context(lm=lm, adapter=CompletionAdapter()):
+        prediction = workflow(tools=["calculator"])(question="What is 17 * 3 + 4?")
+    assert prediction.answer == "55"
+    act_prompt = engine.prompts[0]
+    assert act_prompt.endswith("Next Thought:") and "calculator(expression): Evaluates" in act_prompt
+    assert "finish: stop calling tools" in act_prompt
+    assert len(engine.prompts) == 3  # act (calculator), act (finish), extract
