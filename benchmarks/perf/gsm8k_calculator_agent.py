@@ -208,53 +208,71 @@ class Runner:
                          "curve": [{k: p.get(k) for k in keys} for p in ctx.info["reward_curve"]]}
 
 
+def schedule(seeds: list[int]) -> list[tuple[str, int | None]]:
+    """The run's units in order: the tool-using agent's (untrained, then both reward settings per seed) before
+    the no-tools baseline's, so a run cut short by its time budget still has the main comparison.
+
+    Example:
+        >>> schedule([0])
+        [('untrained react', None), ('react-terminal', 0), ('react-intermediate', 0), ('untrained cot', None), \
+('cot-terminal', 0)]
+    """
+    react = [(arm, seed) for seed in seeds for arm in ARMS if arm.startswith("react")]
+    cot = [(arm, seed) for seed in seeds for arm in ARMS if arm.startswith("cot")]
+    return [("untrained react", None), *react, ("untrained cot", None), *cot]
+
+
 def run_all(args: Any, run_dir: Path, publish: Any) -> dict[str, Any]:
-    """Untrained scores, then per seed the three trainings and their held-out scores; publishes as it goes."""
+    """Every unit of :func:`schedule` with its held-out score; publishes the results after each one."""
     import dspy
 
     from flowopt.lm import AutoAdapter
 
     runner = Runner(args, run_dir)
     results: dict[str, Any] = {"status": "running", "untrained": {}, "seeds": {}, "not_run": []}
-
-    def stop(reason: str, pending: list[str]) -> dict[str, Any]:
-        results.update(status=f"stopped: {reason}", not_run=[*results["not_run"], *pending])
-        publish(results)
-        return results
-
-    pending = [f"untrained {name}" for name in ("react", "cot")]
-    pending += [f"{arm} seed {s}" for s in args.seeds for arm in ARMS]
+    units = schedule(args.seeds)
     with dspy.context(adapter=AutoAdapter()):
-        for name, program in programs(args.max_steps).items():
-            local = _student(args, run_dir / "tiny-model")
-            with dspy.context(lm=local.lm.copy(cache=False)):
-                row = runner.score(program, f"untrained-{name}", name)
-            local.close()
-            if row is None:
-                return stop("time budget (untrained scoring)", pending)
-            results["untrained"][name] = row
-            pending.pop(0)
-            publish(results)
-        for seed in args.seeds:
-            per_seed: dict[str, Any] = results["seeds"].setdefault(str(seed), {})
-            for arm in ARMS:
-                kind = "cot" if arm.startswith("cot") else "react"
-                if not runner.fits(f"train-{kind}", f"score-{kind}"):
-                    return stop(f"time budget (before {arm} seed {seed})", pending)
-                local = _student(args, run_dir / "tiny-model")
-                trained, info = runner.train(arm, seed, local)
-                with dspy.context(lm=local.lm.copy(cache=False)):
-                    row = runner.score(trained, f"{arm}-{seed}", kind)
-                local.close()
+        for done, (arm, seed) in enumerate(units):
+            kind = "cot" if "cot" in arm else "react"
+            reason = None
+            if seed is not None and not runner.fits(f"train-{kind}", f"score-{kind}"):
+                reason = f"time budget (before {arm} seed {seed})"
+            else:
+                row = run_unit(runner, arm, seed, kind)
                 if row is None:
-                    return stop(f"time budget (scoring {arm} seed {seed})", pending)
-                per_seed[arm] = {**info, **row}
-                pending.pop(0)
-                logger.info("seed %d %s: held-out %.3f after %s steps", seed, arm, row["score"], info["steps_done"])
-                publish(results)
-    results["status"] = "complete"
+                    reason = f"time budget ({arm}" + ("" if seed is None else f" seed {seed}") + ")"
+                elif seed is None:
+                    results["untrained"][kind] = row
+                else:
+                    results["seeds"].setdefault(str(seed), {})[arm] = row
+            if reason is not None:
+                results.update(status=f"stopped: {reason}",
+                               not_run=[a if s is None else f"{a} seed {s}" for a, s in units[done:]])
+                break
+            publish(results)
+        else:
+            results["status"] = "complete"
     publish(results)
     return results
+
+
+def run_unit(runner: Runner, arm: str, seed: int | None, kind: str) -> dict[str, Any] | None:
+    """One unit on a fresh student: score the untrained program, or train ``arm`` with ``seed`` and score it."""
+    import dspy
+
+    local = _student(runner.args, runner.run_dir / "tiny-model")
+    try:
+        if seed is None:
+            program, info = programs(runner.args.max_steps)[kind], {}
+        else:
+            program, info = runner.train(arm, seed, local)
+        with dspy.context(lm=local.lm.copy(cache=False)):
+            row = runner.score(program, arm if seed is None else f"{arm}-{seed}", kind)
+    finally:
+        local.close()
+    if row is not None:
+        logger.info("%s%s: held-out %.3f", arm, "" if seed is None else f" seed {seed}", row["score"])
+    return None if row is None else {**info, **row}
 
 
 def pooled(results: dict[str, Any], arm: str, base: str) -> dict[str, Any] | None:
