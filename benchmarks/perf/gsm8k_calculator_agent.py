@@ -14,20 +14,27 @@ split and metric, greedy decoding); the JSON keeps every per-question score and 
 by status, and the report gives each score with its 95% interval and the paired changes (intermediate -
 terminal, react - cot) per seed and pooled over seeds.
 
-The results files are rewritten after every scored arm (``results.status`` says ``running``,
-``complete`` or why it stopped), so a run killed from outside keeps what finished. ``--max-seconds``
-is a time budget for the whole run: an arm is not started when the time its kind took before no longer
-fits, a training stops between GRPO steps at the budget (its ``steps_done`` then says how far it got),
-and a scoring that would run past it stops and is reported as not scored.
+The agent's units run first (untrained, then per seed terminal and intermediate), the no-tools baseline's
+after them (:func:`schedule`). The results files are rewritten after every scored unit (``results.status``
+says ``running``, ``complete`` or why it stopped; ``results.not_run`` lists what did not run), so a run
+killed from outside keeps what finished. ``--max-seconds`` is a time budget for the whole run: a training
+is not started when the time its kind took before (training and scoring) no longer fits, a training stops
+between GRPO steps when only its scoring's time is left (``steps_done`` then says how far it got), and a
+scoring that would run past the budget stops and is reported as not run.
 
 Run (CPU):  python -m flowopt.benchmarks.perf.gsm8k_calculator_agent [--steps 20] [--seeds 0 1] [--test 100]
 Smoke:      python -m flowopt.benchmarks.perf.gsm8k_calculator_agent --smoke --out /tmp/agent_smoke/run
-GPU (one H100/H200; /work/shared/gpu/README.md case (b): the bundle with transformers 5.24 and the six GGUF
-part calls first, then this as call 7, carrying ``.gpu``)::
+GPU (one H100/H200; /work/shared/gpu/README.md case (b): build the bundle with ``--with-transformers 5.24.0``
+and the GGUF parts, make the six part calls, then this as call 7, carrying ``.gpu``; about 7 of the 15 device
+minutes are left by then, so ``--max-seconds`` (which counts the Gemma conversion, 1-2 min) stops the run
+cleanly before ``--timeout`` would kill it, and every unit that finished is already in ``$OUT``)::
 
-    bash .gpu/run-on-gpu.sh --timeout 540 --log agent.log -- python3 -m flowopt.benchmarks.perf.gsm8k_calculator_agent \
-      --device cuda --threads 8 --eval-threads 64 --train 200 --test 200 --steps 30 --batch 8 --group 8 \
-      --max-steps 3 --max-new-tokens 96 --seeds 0 1 --max-seconds 480 --out "$OUT/gsm8k_calculator_agent"
+    bash .gpu/run-on-gpu.sh --timeout 420 --log agent.log -- python3 -m flowopt.benchmarks.perf.gsm8k_calculator_agent \
+      --device cuda --threads 8 --eval-threads 128 --train 200 --test 100 --steps 5 --batch 4 --group 8 \
+      --max-steps 2 --max-new-tokens 64 --seeds 0 --max-seconds 360 --out "$OUT/gsm8k_calculator_agent"
+
+With more device time (or a machine kept for longer): ``--test 300 --steps 30 --seeds 0 1 2``, and
+``--max-seconds`` a minute under the command's timeout.
 """
 
 from __future__ import annotations
