@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
     parser.add_argument("--eval-threads", type=int, default=8, help="held-out questions run at once (batched)")
+    parser.add_argument("--units", nargs="+", default=None, choices=["untrained-react", "untrained-cot", *ARMS],
+                        help="run only these units (default: all)")
     parser.add_argument("--max-seconds", type=float, default=0.0,
                         help="time budget for the whole run (0: none); stops cleanly and reports what finished")
     run = start_run(parser, argv)
@@ -237,7 +239,8 @@ def run_all(args: Any, run_dir: Path, publish: Any) -> dict[str, Any]:
 
     runner = Runner(args, run_dir)
     results: dict[str, Any] = {"status": "running", "untrained": {}, "seeds": {}, "not_run": []}
-    units = schedule(args.seeds)
+    units = [(arm, seed) for arm, seed in schedule(args.seeds)
+             if not getattr(args, "units", None) or arm.replace(" ", "-") in args.units]
     with dspy.context(adapter=AutoAdapter()):
         for done, (arm, seed) in enumerate(units):
             kind = "cot" if "cot" in arm else "react"

@@ -78,3 +78,10 @@ def test_a_complete_run_reports_the_pooled_paired_changes(monkeypatch, tmp_path)
     assert change["mean"] == 1.0 and change["n"] == 6  # 3 questions x 2 seeds, paired
     body = "\n".join(script.report_body(_args(seeds=[0, 1]), results))
     assert "| intermediate - terminal (react) | +1.000 [+1.000, +1.000] |" in body
+
+
+def test_units_picks_which_parts_run(monkeypatch, tmp_path):
+    ran = []
+    monkeypatch.setattr(script, "run_unit", lambda runner, arm, seed, kind: ran.append((arm, seed)) or _row(0.0))
+    results = script.run_all(_args(units=["untrained-cot"]), tmp_path, lambda r: None)
+    assert ran == [("untrained cot", None)] and results["status"] == "complete"
