@@ -1,11 +1,11 @@
 """CUDA out of memory in a real SFT step becomes flowopt's OutOfMemoryError naming the setting to lower.
 
-Run on a GPU machine (under a minute on an H100):
+Run on a GPU machine (meant to take under a minute on an H100 or H200):
     python -m flowopt.benchmarks.perf.cuda_oom_check --device cuda
 
-A random Llama-shaped model (width 2048, 8 layers: about 0.4 B parameters) is fine-tuned by
+A random Llama-shaped model (width 2048, 8 layers: about 0.34 B parameters) is fine-tuned by
 ``BootstrapFinetune`` inside ``flowopt.compile`` with a deliberately huge micro-batch (256 sequences of
-about 1,900 tokens in one forward pass: hundreds of GiB of activations), so the first training step
+about 1,500 tokens in one forward pass: some 250 GiB of activations), so the first training step
 meets ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``) from CUDA's allocator. The script
 checks that the compile stops with :class:`flowopt.errors.OutOfMemoryError` caused by it, naming
 ``micro_batch_size`` with its value and the halved one to try, that the run folder holds only the
@@ -110,7 +110,7 @@ def _save_model(folder: Path, hidden: int, layers: int) -> Path:
 def _data(args: Any, count: int) -> tuple[list[Any], list[Any]]:
     from flowopt.benchmarks import cue_word
 
-    noise = " ".join(cue_word.NOISE * args.noise_repeats)  # about 10.5 tokens a repeat
+    noise = " ".join(cue_word.NOISE * args.noise_repeats)  # about 8 tokens a repeat (180: about 1,500 a prompt)
     trainset = [ex.copy(noise=noise) for ex in cue_word.make_examples(count, seed=1)]
     valset = [ex.copy(noise=noise) for ex in cue_word.make_examples(2, seed=2)]
     return trainset, valset
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=2048, help="width of the random model")
     parser.add_argument("--layers", type=int, default=8, help="layers of the random model")
     parser.add_argument("--micro-batch", type=int, default=256, help="sequences in one forward pass (too many)")
-    parser.add_argument("--noise-repeats", type=int, default=180, help="prompt length: about 10.5 tokens each")
+    parser.add_argument("--noise-repeats", type=int, default=180, help="prompt length: about 8 tokens each")
     parser.add_argument("--resume-micro-batch", type=int, default=8, help="micro-batch of the resumed run")
     run = start_run(parser, argv)
     args = run.args
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     results["checks"] = {name: ok for name, ok in checks}
     rows = [[name, "yes" if ok else "**NO**"] for name, ok in checks] or [["CUDA check", skipped]]
     body = [f"Model: random Llama-shaped, width {args.hidden}, {args.layers} layers ({results['parameters_m']} M "
-            f"parameters); {args.micro_batch} sequences of about {round(10.5 * args.noise_repeats)} tokens in one "
+            f"parameters); {args.micro_batch} sequences of about {round(8.3 * args.noise_repeats)} tokens in one "
             f"micro-batch, then a resume with micro_batch_size={args.resume_micro_batch}.", "",
             *markdown_table(["check", "result"], rows, align="ll")]
     if cuda:

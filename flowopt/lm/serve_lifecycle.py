@@ -35,7 +35,6 @@ from starlette.requests import Request
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.05  # how often a waiting request checks that its client is still there
 CLIENT_CLOSED = 499  # nginx's status for "client closed request": logged, never seen by the client
 
 
@@ -49,16 +48,23 @@ async def answer_while_connected(request: Request, call: Callable[..., Any], *ar
     or this coroutine is cancelled (server shutdown). Returns the result and whether the client left."""
     cancel = threading.Event()
     work = asyncio.ensure_future(run_in_threadpool(call, *args, cancel=cancel))
+    gone = asyncio.ensure_future(_disconnect(request))
     try:
-        while not work.done():
-            await asyncio.wait({work}, timeout=POLL_S)
-            if not work.done() and await request.is_disconnected():
-                cancel.set()  # the rows end at their next decode step; wait for them to leave the batch
-                logger.info("client left %s mid-generation: its rows are cancelled", request.url.path)
-                break
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            cancel.set()  # the rows end at their next decode step; wait for them to leave the batch
+            logger.info("client left %s mid-generation: its rows are cancelled", request.url.path)
         return await work, cancel.is_set()
     finally:
         cancel.set()  # cancelled at shutdown (or failed): end the rows, nobody will read them
+        gone.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body was read already: the server sends nothing else until
+    the response is complete; Starlette's StreamingResponse listens the same way)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class GracefulServer(uvicorn.Server):
