@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from flowopt.lm.engine import LocalDSPyLM, LocalEngine
     from flowopt.lm.local import LocalLM
     from flowopt.lm.sampling import RowSettings, Sample
+    from flowopt.lm.served_engine import ServerEngine
     from flowopt.lm.shared import lm_from_spec, local_of, shared_local_lm
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "LocalLM",
     "RowSettings",
     "Sample",
+    "ServerEngine",
     "adapter_for",
     "lm_from_spec",
     "local_of",
@@ -42,6 +44,7 @@ _LAZY = {
     "LocalDSPyLM": "flowopt.lm.engine",
     "RowSettings": "flowopt.lm.sampling",
     "Sample": "flowopt.lm.sampling",
+    "ServerEngine": "flowopt.lm.served_engine",
     "lm_from_spec": "flowopt.lm.shared",
     "local_of": "flowopt.lm.shared",
     "shared_local_lm": "flowopt.lm.shared",
