@@ -32,11 +32,19 @@ from flowopt.lm.lora_client import LoraServer
 from flowopt.lm.sampling import Sample
 from flowopt.lm.served_engine import ServerEngine
 from flowopt.optimizers.weights.policy import Policy
-from flowopt.settings import above, check_stage
+from flowopt.settings import above, check_stage, matches
 
 logger = logging.getLogger(__name__)
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: The formats of :class:`InferenceServer`'s settings.
+SERVER_SETTINGS = {
+    "url": matches(r"^https?://[^\s/]+", meaning="an http(s)://HOST:PORT/v1 URL", sample="http://127.0.0.1:8000/v1"),
+    "adapter_dir": matches(r"\S", meaning="a folder the server can load adapters from (flowopt serve: one inside "
+                                         "its --lora-root)", sample="/srv/adapters/run1"),
+    "api_key_env": matches(r"^[A-Za-z_][A-Za-z0-9_]*$", meaning="the name of an environment variable holding the "
+                                                             "server's key", sample="VLLM_API_KEY"),
+    "timeout_s": above(0.0),
+}
 
 
 @dataclass(frozen=True)
@@ -64,17 +72,7 @@ class InferenceServer:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        check_stage(self, {"timeout_s": above(0.0)})  # the types; the formats below
-        if not re.match(r"^https?://[^\s/]+", self.url):
-            raise ConfigError(f"rollout server url must be http(s)://HOST:PORT/v1, got {self.url!r}",
-                              fix="pass e.g. InferenceServer('http://127.0.0.1:8000/v1', adapter_dir=...)")
-        if not str(self.adapter_dir).strip():
-            raise ConfigError("InferenceServer needs adapter_dir, a folder the server can load adapters from",
-                              fix="pass adapter_dir= a folder inside flowopt serve's --lora-root (or one vLLM "
-                                  "can read)")
-        if self.api_key_env is not None and not _ENV_NAME.match(self.api_key_env):
-            raise ConfigError(f"api_key_env must name an environment variable, got {self.api_key_env!r}",
-                              fix="pass api_key_env='VLLM_API_KEY' and export the key in that variable")
+        check_stage(self, SERVER_SETTINGS)
 
     def connect(self) -> LoraServer:
         api_key = None
