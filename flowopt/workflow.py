@@ -52,7 +52,6 @@ class Workflow(WorkflowGraph):
         {'question': ('$input', 'question'), 'draft': ('draft', 'draft')}
     """
 
-
     def __init__(self, signature: str | SignatureSpec = "question -> answer", *, name: str = "workflow",
                  lms: Mapping[str, Any] | None = None) -> None:
         super().__init__(signature, name=name, lms=lms)
