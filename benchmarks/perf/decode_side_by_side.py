@@ -101,6 +101,10 @@ def generate_round(local: Any, prompts: list[list[int]], callers: int, tokens: i
     model, eos = local.base_model, local.eos_ids
     extra: dict[str, Any] = {}
     if static:
+        if local.device.type == "cuda":
+            from flowopt.lm.decoder import cuda_graph_thread_state
+
+            cuda_graph_thread_state()  # this thread's own CUDA-graph trees (the decode loop's live in its thread)
         config = CompileConfig(mode="reduce-overhead" if local.device.type == "cuda" else "default")
         config._compile_all_devices = True  # transformers compiles only on accelerators unless told
         extra = {"cache_implementation": "static", "compile_config": config}
