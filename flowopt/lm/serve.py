@@ -1,12 +1,13 @@
 """``flowopt serve``: a LocalLM (with its LoRA adapter) behind an OpenAI-compatible HTTP API.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET
-/v1/models/{id}``, ``GET /health``, and with ``--enable-lora --lora-root DIR`` vLLM's runtime adapter
-endpoints ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (:mod:`flowopt.lm.serve_lora`);
-a request samples with a loaded adapter by naming it as its ``model``; an unknown ``model`` is a 404.
-Concurrent requests share the LocalLM's batches; a client that leaves, and SIGTERM/Ctrl-C, end work
-early (:mod:`flowopt.lm.serve_lifecycle`). Binds to 127.0.0.1 by default: there is no authentication
-(any API key is accepted). Bodies over 8 MiB are a 413.
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /health``, and with ``--enable-lora --lora-root DIR`` vLLM's runtime
+adapter endpoints ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``
+(:mod:`flowopt.lm.serve_lora`); a request samples with a loaded adapter by naming it as its ``model``.
+A ``model`` the server does not serve is a 404 in OpenAI's error shape. Requests from concurrent clients
+go through the LocalLM's dynamic batcher, so they share batches; a client that leaves, and SIGTERM or
+Ctrl-C, end work early (:mod:`flowopt.lm.serve_lifecycle`). Binds to 127.0.0.1 by default: there is no
+authentication (any API key is accepted). Bodies over 8 MiB are a 413.
 
 As OpenAI and vLLM behave: ``stream=true`` streams server-sent events (:mod:`flowopt.lm.serve_stream`,
 ``stream_options.include_usage`` too); without ``max_tokens`` a completion may use what the model's
@@ -38,13 +39,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
 
 from flowopt.errors import FlowoptError
 from flowopt.lm.sampling import RowSettings, Sample, derive_seed
+from flowopt.lm.serve_errors import BodyLimit, add_error_handlers, error_response, lora_error
 from flowopt.lm.serve_lifecycle import CLIENT_CLOSED, answer_while_connected, keep_going, serve
 from flowopt.lm.serve_logprobs import chat_logprobs, text_logprobs
 from flowopt.lm.serve_lora import LoraRefused, RuntimeLoras
@@ -53,13 +53,11 @@ from flowopt.lm.serve_schema import (
     MAX_BODY_BYTES,
     MAX_ROWS,
     BadRequest,
-    BodyLimit,
     ChatRequest,
     CompletionRequest,
     LoadLoraRequest,
     SamplingRequest,
     UnloadLoraRequest,
-    error_response,
 )
 from flowopt.lm.serve_stream import StreamJob, new_id, now, stream_rows
 
@@ -230,20 +228,6 @@ def _stream(local: LocalLM, body: SamplingRequest, model_name: str, adapter: Any
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _lora_error(exc: LoraRefused) -> JSONResponse:
-    kinds = {403: "PermissionDenied", 404: "NotFoundError"}
-    return error_response(exc.status, str(exc), kinds.get(exc.status, "invalid_request_error"))
-
-
-def _validation_message(exc: RequestValidationError) -> str:
-    """The first few problems, each as 'where: what' (never the offending value, which may be huge)."""
-    problems = []
-    for problem in exc.errors()[:5]:
-        where = ".".join(str(part) for part in problem.get("loc", ()) if part != "body")[:200]
-        problems.append(f"{where or 'body'}: {str(problem.get('msg', 'invalid'))[:200]}")
-    return "; ".join(problems) or "invalid request body"
-
-
 def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeLoras | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, recorder: RolloutRecorder | None = None) -> FastAPI:
     """The FastAPI application serving ``local`` under ``model_name`` (default: its name).
@@ -259,40 +243,52 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
         >>> TestClient(create_app(local, model_name="tiny")).get("/v1/models/tiny").json()["id"]  # doctest: +SKIP
         'tiny'
     """
-    name = model_name or local.name
-    loras = loras or RuntimeLoras(local, lora_root=None)
-    app = FastAPI(title="flowopt serve", version="1", routes=recorder.routes(loras) if recorder is not None else None)
+    served = ServedModel(local, model_name or local.name, loras or RuntimeLoras(local, lora_root=None), recorder)
+    routes = recorder.routes(served.loras) if recorder is not None else None
+    app = FastAPI(title="flowopt serve", version="1", routes=routes)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    add_error_handlers(app)
+    _add_sampling_routes(app, served)
+    _add_lora_routes(app, served.loras)
+    _add_model_routes(app, served)
+    return app
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, _validation_message(exc), "invalid_request_error")
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        # FastAPI answers 400 "error parsing the body" for JSON it cannot read (e.g. nested too deep).
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+class ServedModel:
+    """What one server serves: the LocalLM under its name, the adapters loaded at run time, and the
+    recorder of rollouts (or None); answers a sampling request with them.
 
-    def model_cards() -> list[dict[str, Any]]:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "flowopt"}]
-        return data + [{"id": lora, "object": "model", "created": 0, "owned_by": "flowopt", "parent": name}
-                       for lora in loras.loaded]
+    Example:
+        >>> served = ServedModel(local, "tiny", RuntimeLoras(local, lora_root=None), None)  # doctest: +SKIP
+        >>> [card["id"] for card in served.model_cards()]  # doctest: +SKIP
+        ['tiny']
+    """
 
-    def not_found(model: str) -> JSONResponse:
-        served = [c["id"] for c in model_cards()]
-        return error_response(404, f"The model {model!r} does not exist: this server serves {served}",
+    def __init__(self, local: LocalLM, name: str, loras: RuntimeLoras, recorder: RolloutRecorder | None) -> None:
+        self.local, self.name, self.loras, self.recorder = local, name, loras, recorder
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        data = [{"id": self.name, "object": "model", "created": 0, "owned_by": "flowopt"}]
+        return data + [{"id": lora, "object": "model", "created": 0, "owned_by": "flowopt", "parent": self.name}
+                       for lora in self.loras.loaded]
+
+    def not_found(self, model: str) -> JSONResponse:
+        return error_response(404, f"The model {model!r} does not exist: this server serves "
+                                   f"{[c['id'] for c in self.model_cards()]}",
                               "NotFoundError", param="model", code="model_not_found")
 
-    async def answer(handler: Any, body: SamplingRequest, prompts: Any, request: Request) -> Any:
+    async def answer(self, handler: Any, body: SamplingRequest, prompts: Any, request: Request) -> Any:
+        """Sample ``body`` with the weights its ``model`` names: streamed, or whole through ``handler``."""
         try:  # recording mode (flowopt.lm.serve_record): a request tagged with a rollout id is recorded
-            body = (recording := Recording.start(recorder, request.headers, body)).body
+            body = (recording := Recording.start(self.recorder, request.headers, body)).body
         except RecordingRefused as exc:
             return error_response(exc.status, str(exc), "invalid_request_error")
-        adapter = loras.adapter_for(body.model)
-        if adapter is None and body.model not in (None, name):
-            return not_found(body.model)
+        adapter = self.loras.adapter_for(body.model)
+        if adapter is None and body.model not in (None, self.name):
+            return self.not_found(body.model)
         pinned = ... if adapter is None else adapter
-        served = adapter or name
+        served = adapter or self.name
+        local = self.local
         try:
             if body.stream:
                 return _stream(local, body, served, pinned, [ids for _, ids in prompts(local, body)])
@@ -307,20 +303,24 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
             logger.exception("generation failed")
             return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
 
+
+def _add_sampling_routes(app: FastAPI, served: ServedModel) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
-        return await answer(chat_completion, body, lambda lm, b: [("", _chat_prompt(lm, b))], request)
+        return await served.answer(chat_completion, body, lambda lm, b: [("", _chat_prompt(lm, b))], request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await answer(text_completion, body, _prompts, request)
+        return await served.answer(text_completion, body, _prompts, request)
 
+
+def _add_lora_routes(app: FastAPI, loras: RuntimeLoras) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraRequest) -> Any:
         try:
             await run_in_threadpool(loras.load, body.lora_name, body.lora_path)
         except LoraRefused as exc:
-            return _lora_error(exc)
+            return lora_error(exc)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -328,24 +328,25 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
         try:
             await run_in_threadpool(loras.unload, body.lora_name)
         except LoraRefused as exc:
-            return _lora_error(exc)
+            return lora_error(exc)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
+
+def _add_model_routes(app: FastAPI, served: ServedModel) -> None:
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": model_cards()}
+        return {"object": "list", "data": served.model_cards()}
 
     @app.get("/v1/models/{model:path}")
     def model(model: str) -> Any:
-        card = next((c for c in model_cards() if c["id"] == model), None)
-        return card if card is not None else not_found(model)
+        card = next((c for c in served.model_cards() if c["id"] == model), None)
+        return card if card is not None else served.not_found(model)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "model": name, "adapter": local.active_adapter, "device": str(local.device),
-                "loras": sorted(loras.loaded)}
-
-    return app
+        local = served.local
+        return {"status": "ok", "model": served.name, "adapter": local.active_adapter, "device": str(local.device),
+                "loras": sorted(served.loras.loaded)}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -5,8 +5,7 @@ A field that would change the answer and is not implemented is refused with a 40
 silently ignored): :data:`REFUSED` lists each with the value that means "off", which is accepted.
 Fields that do not change the answer are ignored, as OpenAI and vLLM clients expect: :data:`IGNORED`
 (``user``, ``metadata``, ``store``, ...), and any field neither API defines, which is logged once per
-request (vLLM does the same). Errors take OpenAI's shape (:func:`error_response`); a body over
-:data:`MAX_BODY_BYTES` is a 413 before it is read (:class:`BodyLimit`).
+request (vLLM does the same).
 """
 
 from __future__ import annotations
@@ -14,10 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
@@ -188,43 +184,3 @@ class UnloadLoraRequest(_Request):
     """A ``/v1/unload_lora_adapter`` body (vLLM's shape)."""
 
     lora_name: Annotated[str, Field(min_length=1, max_length=128)]
-
-
-def error_response(status: int, message: str, kind: str, *, param: str | None = None, code: str | None = None
-                   ) -> JSONResponse:
-    """A JSON error in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``)."""
-    return JSONResponse(status_code=status, content={"error": {"message": message[:2000], "type": kind,
-                                                                 "param": param, "code": code}})
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` is a 413, whether its length is declared or not."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large()(scope, receive, send)
-            return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:  # FastAPI answers an HTTPException raised while reading with its status
-                raise HTTPException(413, self._message())
-            return message
-
-        await self.app(scope, counted, send)
-
-    def _message(self) -> str:
-        return f"request body over {self.max_bytes} bytes; send less (prompts, messages and demos belong in KBs)"
-
-    def _too_large(self) -> JSONResponse:
-        return error_response(413, self._message(), "invalid_request_error")
