@@ -21,8 +21,8 @@ reported). Implementations are interleaved over ``--repeats`` and the median is 
 
 GPU command (one call on the lent GPU machine, ``/work/shared/gpu/README.md`` case (a); run on an H200 on
 2026-11-27 with ``--impls local-compiled,generate-static --callers 1,64``, about 200 s, most of it compiling:
-``benchmarks/results/decode_side_by_side_h200.md``). Build the bundle from the committed HEAD, then make one call that carries
-``.gpu``; it runs this script and the GRPO step against TRL, about 9 minutes in all::
+``benchmarks/results/decode_side_by_side_h200.md``). Build the bundle from the committed HEAD, then make one
+call that carries ``.gpu``; it runs this script and the GRPO step against TRL, about 9 minutes in all::
 
     ../shared/gpu/build-bundle.sh .gpu --with-trl
     bash .gpu/run-on-gpu.sh --timeout 230 --log decode.log -- python3 -m flowopt.benchmarks.perf.decode_side_by_side \
