@@ -19,9 +19,10 @@ produced (a batched ``generate`` runs on to its longest row; that cost is counte
 round of every implementation and caller count is a warm-up (compilation happens there; its seconds are
 reported). Implementations are interleaved over ``--repeats`` and the median is reported.
 
-GPU command (one call on the lent GPU machine, ``/work/shared/gpu/README.md`` case (a); ready to run, not yet
-run: no GPU in the session that wrote this). Build the bundle from the committed HEAD, then make one call
-that carries ``.gpu``; it runs this script and the GRPO step against TRL, about 9 minutes in all::
+GPU command (one call on the lent GPU machine, ``/work/shared/gpu/README.md`` case (a); run on an H200 on
+2026-11-27 with ``--impls local-compiled,generate-static --callers 1,64``, about 200 s, most of it compiling:
+``benchmarks/results/decode_side_by_side_h200.md``). Build the bundle from the committed HEAD, then make one
+call that carries ``.gpu``; it runs this script and the GRPO step against TRL, about 9 minutes in all::
 
     ../shared/gpu/build-bundle.sh .gpu --with-trl
     bash .gpu/run-on-gpu.sh --timeout 230 --log decode.log -- python3 -m flowopt.benchmarks.perf.decode_side_by_side \
