@@ -76,7 +76,7 @@ def test_a_signal_in_process_stops_at_a_safe_point_and_resume_equals_the_uninter
 
     run_dir, name, before = tmp_path / "run", signal.Signals(number).name, signal.getsignal(number)
     with pytest.raises(Interrupted) as caught:
-        compile_task(run_dir, latency_s=0.02, model=model, on_call=counted("stopped", at_call))
+        compile_task(run_dir, latency_s=0.005, model=model, on_call=counted("stopped", at_call))
     assert caught.value.signal == name and caught.value.exit_code == 128 + number  # 143 / 130
     assert f"compile stopped by {name} at a safe point" in str(caught.value) and "resume" in str(caught.value)
     assert signal.getsignal(number) is before  # a signal after compile() behaves as without flowopt
@@ -85,8 +85,8 @@ def test_a_signal_in_process_stops_at_a_safe_point_and_resume_equals_the_uninter
     demos_done = (run_dir / "stages" / "00-demos" / "output.json").exists()
     assert demos_done == (where == "search")  # the demos stage finished before a signal in the search only
     assert not (run_dir / "stages" / "01-search" / "output.json").exists()  # the search is not marked finished
-    resumed = compile_task(run_dir, resume=True, latency_s=0.02, model=model, on_call=counted("resumed"))
-    reference = compile_task(tmp_path / "reference", latency_s=0.02, model=f"{model}-reference",
+    resumed = compile_task(run_dir, resume=True, latency_s=0.005, model=model, on_call=counted("resumed"))
+    reference = compile_task(tmp_path / "reference", latency_s=0.005, model=f"{model}-reference",
                              on_call=counted("reference"))
     assert resumed == reference  # canonical JSON of the resumed run = the uninterrupted run's
     assert calls["stopped"] + calls["resumed"] - calls["reference"] <= 2  # at most the calls in flight (2 threads)
