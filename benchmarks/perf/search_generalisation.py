@@ -117,8 +117,9 @@ def _capturing_search(**settings: Any) -> Any:
     from flowopt.optimizers.search import RandomSearch
 
     class CapturingSearch(RandomSearch):
-        def race(self, study: Any, asked: list[Any], order: list[Any], ends: list[int], ctx: Any) -> None:
-            super().race(study, asked, order, ends, ctx)
+        def race(self, study: Any, asked: list[Any], order: list[Any], ends: list[int], ctx: Any,
+                 before_tell: Any = None) -> None:
+            super().race(study, asked, order, ends, ctx, before_tell=before_tell)
             states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
             store = _CAPTURED.setdefault(id(self), {})
             store.update({t.user_attrs["candidate"]: p for t, p in asked if states.get(t.number) == TrialState.PRUNED})
