@@ -37,14 +37,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flowopt.errors import FlowoptError
 from flowopt.lm.sampling import RowSettings, Sample, derive_seed
+from flowopt.lm.serve_errors import BodyLimit, add_error_handlers, error_response, lora_error
 from flowopt.lm.serve_logprobs import chat_logprobs, text_logprobs
 from flowopt.lm.serve_lora import LoraRefused, RuntimeLoras
 from flowopt.lm.serve_record import Recording, RecordingRefused, RolloutRecorder
@@ -221,59 +219,6 @@ def _stream(local: LocalLM, body: SamplingRequest, model_name: str, adapter: Any
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _error(status: int, message: str, kind: str, *, param: str | None = None, code: str | None = None
-           ) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message[:2000], "type": kind,
-                                                                 "param": param, "code": code}})
-
-
-def _lora_error(exc: LoraRefused) -> JSONResponse:
-    kinds = {403: "PermissionDenied", 404: "NotFoundError"}
-    return _error(exc.status, str(exc), kinds.get(exc.status, "invalid_request_error"))
-
-
-def _validation_message(exc: RequestValidationError) -> str:
-    """The first few problems, each as 'where: what' (never the offending value, which may be huge)."""
-    problems = []
-    for problem in exc.errors()[:5]:
-        where = ".".join(str(part) for part in problem.get("loc", ()) if part != "body")[:200]
-        problems.append(f"{where or 'body'}: {str(problem.get('msg', 'invalid'))[:200]}")
-    return "; ".join(problems) or "invalid request body"
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` is a 413, whether its length is declared or not."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large()(scope, receive, send)
-            return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:  # FastAPI answers an HTTPException raised while reading with its status
-                raise HTTPException(413, self._message())
-            return message
-
-        await self.app(scope, counted, send)
-
-    def _message(self) -> str:
-        return f"request body over {self.max_bytes} bytes; send less (prompts, messages and demos belong in KBs)"
-
-    def _too_large(self) -> JSONResponse:
-        return _error(413, self._message(), "invalid_request_error")
-
-
 def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeLoras | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, recorder: RolloutRecorder | None = None) -> FastAPI:
     """The FastAPI application serving ``local`` under ``model_name`` (default: its name).
@@ -289,64 +234,81 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
         >>> TestClient(create_app(local, model_name="tiny")).get("/v1/models/tiny").json()["id"]  # doctest: +SKIP
         'tiny'
     """
-    name = model_name or local.name
-    loras = loras or RuntimeLoras(local, lora_root=None)
-    app = FastAPI(title="flowopt serve", version="1", routes=recorder.routes(loras) if recorder is not None else None)
+    served = ServedModel(local, model_name or local.name, loras or RuntimeLoras(local, lora_root=None), recorder)
+    routes = recorder.routes(served.loras) if recorder is not None else None
+    app = FastAPI(title="flowopt serve", version="1", routes=routes)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    add_error_handlers(app)
+    _add_sampling_routes(app, served)
+    _add_lora_routes(app, served.loras)
+    _add_model_routes(app, served)
+    return app
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(400, _validation_message(exc), "invalid_request_error")
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        # FastAPI answers 400 "error parsing the body" for JSON it cannot read (e.g. nested too deep).
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+class ServedModel:
+    """What one server serves: the LocalLM under its name, the adapters loaded at run time, and the
+    recorder of rollouts (or None); answers a sampling request with them.
 
-    def model_cards() -> list[dict[str, Any]]:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "flowopt"}]
-        return data + [{"id": lora, "object": "model", "created": 0, "owned_by": "flowopt", "parent": name}
-                       for lora in loras.loaded]
+    Example:
+        >>> served = ServedModel(local, "tiny", RuntimeLoras(local, lora_root=None), None)  # doctest: +SKIP
+        >>> [card["id"] for card in served.model_cards()]  # doctest: +SKIP
+        ['tiny']
+    """
 
-    def not_found(model: str) -> JSONResponse:
-        return _error(404, f"The model {model!r} does not exist: this server serves {[c['id'] for c in model_cards()]}",
-                      "NotFoundError", param="model", code="model_not_found")
+    def __init__(self, local: LocalLM, name: str, loras: RuntimeLoras, recorder: RolloutRecorder | None) -> None:
+        self.local, self.name, self.loras, self.recorder = local, name, loras, recorder
 
-    async def answer(handler: Any, body: SamplingRequest, prompts: Any, request: Request) -> Any:
+    def model_cards(self) -> list[dict[str, Any]]:
+        data = [{"id": self.name, "object": "model", "created": 0, "owned_by": "flowopt"}]
+        return data + [{"id": lora, "object": "model", "created": 0, "owned_by": "flowopt", "parent": self.name}
+                       for lora in self.loras.loaded]
+
+    def not_found(self, model: str) -> JSONResponse:
+        return error_response(404, f"The model {model!r} does not exist: this server serves "
+                                   f"{[c['id'] for c in self.model_cards()]}",
+                              "NotFoundError", param="model", code="model_not_found")
+
+    async def answer(self, handler: Any, body: SamplingRequest, prompts: Any, request: Request) -> Any:
+        """Sample ``body`` with the weights its ``model`` names: streamed, or whole through ``handler``."""
         try:  # recording mode (flowopt.lm.serve_record): a request tagged with a rollout id is recorded
-            body = (recording := Recording.start(recorder, request.headers, body)).body
+            body = (recording := Recording.start(self.recorder, request.headers, body)).body
         except RecordingRefused as exc:
-            return _error(exc.status, str(exc), "invalid_request_error")
-        adapter = loras.adapter_for(body.model)
-        if adapter is None and body.model not in (None, name):
-            return not_found(body.model)
+            return error_response(exc.status, str(exc), "invalid_request_error")
+        adapter = self.loras.adapter_for(body.model)
+        if adapter is None and body.model not in (None, self.name):
+            return self.not_found(body.model)
         pinned = ... if adapter is None else adapter
-        served = adapter or name
+        served = adapter or self.name
+        local = self.local
         try:
             if body.stream:
                 return _stream(local, body, served, pinned, [ids for _, ids in prompts(local, body)])
             # Generation blocks; a worker thread per request lets concurrent requests meet in one batch.
             return JSONResponse(recording.finish(await run_in_threadpool(handler, local, body, served, pinned)))
         except (BadRequest, FlowoptError) as exc:
-            return _error(400, str(exc), "invalid_request_error", param=getattr(exc, "param", None))
+            return error_response(400, str(exc), "invalid_request_error", param=getattr(exc, "param", None))
         except Exception as exc:  # the server stays up; the client sees what went wrong
             logger.exception("generation failed")
-            return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
+            return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
 
+
+def _add_sampling_routes(app: FastAPI, served: ServedModel) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
-        return await answer(chat_completion, body, lambda lm, b: [("", _chat_prompt(lm, b))], request)
+        return await served.answer(chat_completion, body, lambda lm, b: [("", _chat_prompt(lm, b))], request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await answer(text_completion, body, _prompts, request)
+        return await served.answer(text_completion, body, _prompts, request)
 
+
+def _add_lora_routes(app: FastAPI, loras: RuntimeLoras) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraRequest) -> Any:
         try:
             await run_in_threadpool(loras.load, body.lora_name, body.lora_path)
         except LoraRefused as exc:
-            return _lora_error(exc)
+            return lora_error(exc)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -354,24 +316,25 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
         try:
             await run_in_threadpool(loras.unload, body.lora_name)
         except LoraRefused as exc:
-            return _lora_error(exc)
+            return lora_error(exc)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
+
+def _add_model_routes(app: FastAPI, served: ServedModel) -> None:
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": model_cards()}
+        return {"object": "list", "data": served.model_cards()}
 
     @app.get("/v1/models/{model:path}")
     def model(model: str) -> Any:
-        card = next((c for c in model_cards() if c["id"] == model), None)
-        return card if card is not None else not_found(model)
+        card = next((c for c in served.model_cards() if c["id"] == model), None)
+        return card if card is not None else served.not_found(model)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "model": name, "adapter": local.active_adapter, "device": str(local.device),
-                "loras": sorted(loras.loaded)}
-
-    return app
+        local = served.local
+        return {"status": "ok", "model": served.name, "adapter": local.active_adapter, "device": str(local.device),
+                "loras": sorted(served.loras.loaded)}
 
 
 def _parser() -> argparse.ArgumentParser:
