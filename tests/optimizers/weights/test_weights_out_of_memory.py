@@ -112,3 +112,21 @@ def test_finetune_out_of_memory_keeps_the_baseline_and_resumes_with_a_smaller_mi
     assert rows["baseline"]["resumed"]  # the resumed run kept the baseline instead of scoring it again
     assert rows["finetune"]["stop_reason"] == "done"
     assert (run_dir / "stages" / "00-finetune" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_a_cuda_out_of_memory_error_becomes_the_same_flowopt_error():
+    """What CUDA's caching allocator raises (``torch.cuda.OutOfMemoryError``, CUDA's own wording) is mapped
+    like a CPU allocator failure; ``benchmarks/perf/cuda_oom_check.py`` forces a real one on a GPU."""
+    from flowopt.optimizers.weights.memory import out_of_memory_errors
+
+    cuda_error = torch.cuda.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB")
+    with pytest.raises(OutOfMemoryError) as caught:
+        with out_of_memory_errors("finetune", {"micro_batch_size": 8, "gradient_checkpointing": True},
+                                  {"batch_size": 16}, resume_note="nothing is lost"):
+            raise cuda_error
+    message = str(caught.value)
+    assert message.startswith("finetune ran out of memory (CUDA out of memory. Tried to allocate 20.00 GiB")
+    assert "micro_batch_size=8 -> 4" in message and "batch_size (now 16)" in message
+    assert "gradient_checkpointing=True" not in message  # already on: not offered again
+    assert caught.value.__cause__ is cuda_error
