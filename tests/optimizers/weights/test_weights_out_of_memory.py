@@ -121,10 +121,10 @@ def test_a_cuda_out_of_memory_error_becomes_the_same_flowopt_error():
 
     cuda_error = torch.cuda.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB")
-    with pytest.raises(OutOfMemoryError) as caught:
-        with out_of_memory_errors("finetune", {"micro_batch_size": 8, "gradient_checkpointing": True},
-                                  {"batch_size": 16}, resume_note="nothing is lost"):
-            raise cuda_error
+    guard = out_of_memory_errors("finetune", {"micro_batch_size": 8, "gradient_checkpointing": True},
+                                 {"batch_size": 16}, resume_note="nothing is lost")
+    with pytest.raises(OutOfMemoryError) as caught, guard:
+        raise cuda_error
     message = str(caught.value)
     assert message.startswith("finetune ran out of memory (CUDA out of memory. Tried to allocate 20.00 GiB")
     assert "micro_batch_size=8 -> 4" in message and "batch_size (now 16)" in message
