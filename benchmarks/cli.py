@@ -50,6 +50,9 @@ def bench_parser(sub: argparse._SubParsersAction | None = None) -> argparse.Argu
     parser.add_argument("--lm-batch", type=int, default=16,
                         help="local models: most concurrent calls generated as one batch; raise it with "
                              "--threads on a GPU (default: %(default)s)")
+    parser.add_argument("--lm-compile", choices=("auto", "on", "off"), default="auto",
+                        help="local models: compile the decode step with torch.compile (auto: on CUDA only, where "
+                             "CUDA graphs pay; each batch-size bucket compiles once, seconds each)")
     parser.add_argument("--max-lm-calls", type=int, default=None, help="compile budget: LM calls")
     parser.add_argument("--max-cost-usd", type=float, default=None, help="compile budget: dollars")
     parser.add_argument("--max-wall-s", type=float, default=None, help="compile budget: wall time")

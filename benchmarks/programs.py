@@ -15,8 +15,8 @@ from pathlib import Path
 
 from flowopt import Workflow
 from flowopt.errors import ConfigError
-from flowopt.ir import load
 from flowopt.modules import ChainOfThought, Predict, Programmer, Refine, Retrieve
+from flowopt.workflow import load
 
 from .datasets import get_protocol
 

@@ -50,9 +50,10 @@ def run_bench(args: argparse.Namespace) -> int:
         sys.stdout.write("\n".join(lines) + "\n")
         return 0
     plan = plan_bench(args)  # every setting checked: nothing written, no LM called before this passes
-    lm, adapter = make_lm(args.lm, api_base=args.api_base, max_tokens=args.max_tokens, batch=args.lm_batch)
+    lm, adapter = make_lm(args.lm, api_base=args.api_base, max_tokens=args.max_tokens, batch=args.lm_batch,
+                          compile={"auto": None, "on": True, "off": False}[args.lm_compile])
     plan.out.mkdir(parents=True, exist_ok=True)
-    results = _Run(plan, args).run(lm, adapter)
+    results = _Run(plan, args, decode_stats=_decode_stats_of(lm)).run(lm, adapter)
     sys.stdout.write(f"{score_table(results)}\nresults in {plan.out}/\n")
     return 0 if not any(row["status"] == "failed" for row in results["stages"]) else 1
 
@@ -60,8 +61,9 @@ def run_bench(args: argparse.Namespace) -> int:
 class _Run:
     """One bench run: the rows so far, rewritten to ``--out`` after each of them."""
 
-    def __init__(self, plan: BenchPlan, args: argparse.Namespace) -> None:
+    def __init__(self, plan: BenchPlan, args: argparse.Namespace, *, decode_stats: Any = None) -> None:
         self.plan, self.args = plan, args
+        self.decode_stats = decode_stats  # a local LM's DecodeStats: how full its batches were, compile seconds
         self.started = time.perf_counter()
         self.cpu_started = time.process_time()
         self.scorer = TestScorer(plan.proto, plan.out, num_threads=args.threads, quiet=args.quiet,
@@ -151,9 +153,17 @@ class _Run:
         out = self.plan.out
         self.results["wall_s"] = time.perf_counter() - self.started
         self.results["cpu_s"] = time.process_time() - self.cpu_started
+        if self.decode_stats is not None:
+            self.results["decode"] = self.decode_stats.summary()
         atomic_write_json(out / "results.json", self.results)
         atomic_write_text(out / "results.md", markdown(self.results))
         plot_scores(self.results, out / "scores.png")
+
+
+def _decode_stats_of(lm: Any) -> Any:
+    """The decode loop's counters when ``lm`` is a local model (rows per step over time), else None."""
+    local = getattr(lm, "local", None)
+    return getattr(local, "decode_stats", None)
 
 
 def _val(report: Any) -> dict[str, Any]:

@@ -17,13 +17,11 @@ from flowopt.errors import (
     UnknownOperatorError,
     WorkflowError,
 )
-from flowopt.ir import load
 from flowopt.operator import Operator
 from flowopt.registry import get_operator, operator_names, register_operator
 from flowopt.signature import FieldSpec, SignatureSpec
-from flowopt.workflow import INPUT, OUTPUT, Workflow, chain
-
-__version__ = "0.1.0"
+from flowopt.version import __version__ as __version__
+from flowopt.workflow import INPUT, OUTPUT, Workflow, chain, load
 
 __all__ = [
     "INPUT",

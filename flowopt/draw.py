@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flowopt.errors import ConfigError
+from flowopt.workflow_graph import INPUT, OUTPUT
 
 if TYPE_CHECKING:
     from flowopt.workflow import Workflow
@@ -21,8 +22,6 @@ def draw_workflow(wf: Workflow, *, path: str | Path | None = None, fmt: str = "p
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     import networkx as nx
-
-    from flowopt.workflow import INPUT, OUTPUT
 
     graph = wf.graph
     layer_of = {n: d for d, gen in enumerate(nx.topological_generations(graph)) for n in gen}

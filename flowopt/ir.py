@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from flowopt.errors import SchemaError, WorkflowError
-from flowopt.lm_spec import LoadedLMSpec, lm_to_spec, refuse_loaded_endpoints, trust_loaded_specs
+from flowopt.lm_spec import LoadedLMSpec, lm_to_spec
 from flowopt.operator import Operator
 from flowopt.registry import get_operator
 from flowopt.signature import FieldSpec, SignatureSpec
-from flowopt.validate import check_document, parse_json, read_document
-from flowopt.workflow import INPUT, OUTPUT, Workflow
+from flowopt.validate import check_document, parse_json
+from flowopt.version import __version__
+from flowopt.workflow_graph import INPUT, OUTPUT, WorkflowGraph
 
 SCHEMA = "flowopt.workflow/v1"
 _TOP_KEYS = {"schema", "name", "inputs", "outputs", "nodes", "edges", "lms", "weights", "meta"}
@@ -46,9 +46,7 @@ def loads(text: str | bytes) -> Any:
     return parse_json(text)
 
 
-def workflow_to_dict(wf: Workflow) -> dict[str, Any]:
-    from flowopt import __version__
-
+def workflow_to_dict(wf: WorkflowGraph) -> dict[str, Any]:
     nodes = []
     for node_id, op in wf.nodes.items():
         nodes.append({
@@ -86,8 +84,12 @@ def _fields(data: Any, key: str) -> tuple[FieldSpec, ...]:
                  for f in data)
 
 
-def workflow_from_dict(data: Any) -> Workflow:
-    """Build and validate a :class:`Workflow` from IR data; every failure names node, field and fix."""
+GraphT = TypeVar("GraphT", bound=WorkflowGraph)
+
+
+def workflow_from_dict(data: Any, cls: type[GraphT]) -> GraphT:
+    """Build and validate a workflow of class ``cls`` (:class:`~flowopt.workflow.Workflow`) from IR data;
+    every failure names node, field and fix. ``Workflow.from_dict`` and :func:`flowopt.load` call it."""
     check_document(data)
     schema = data.get("schema")
     if schema != SCHEMA:
@@ -135,7 +137,7 @@ def workflow_from_dict(data: Any) -> Workflow:
     meta.pop("flowopt", None)
     meta.pop("dspy", None)
     # from_graph keeps the loaded wiring exactly and validates the whole graph.
-    wf = Workflow.from_graph(io, nodes, edges, name=str(data.get("name", "workflow")), node_lms=node_lms,
+    wf = cls.from_graph(io, nodes, edges, name=str(data.get("name", "workflow")), node_lms=node_lms,
                              lms=lms, weights=dict(data.get("weights") or {}), meta=meta)
     for node_id, lm_name in wf.node_lms.items():
         if lm_name is not None and lm_name not in wf.lms:
@@ -173,30 +175,3 @@ def _node_from_dict(raw: Any) -> tuple[str, Operator, str | None]:
         raise SchemaError("'lm' must be an LM name or null", node=node_id, field="lm",
                           fix='write "lm": "default" or "lm": null')
     return node_id, op, lm
-
-
-def load(path: str | Path, *, lms: Mapping[str, Any] | None = None, trust_endpoints: bool = False) -> Workflow:
-    """Load a workflow saved with :meth:`Workflow.save`; ``lms`` binds (or overrides) its LMs by name.
-
-    A file's ``lms`` entries may name models and sampling settings only: one that sets ``api_base``,
-    headers, provider routing and the like raises :class:`ConfigError` unless ``lms`` binds that entry
-    or ``trust_endpoints=True`` (for files you wrote or trust).
-
-    Example:
-        >>> import flowopt  # doctest: +SKIP
-        >>> wf = flowopt.load("qa.json", lms={"default": dspy.LM("openai/gpt-4o-mini")})  # doctest: +SKIP
-    """
-    file = Path(path)
-    if file.is_dir():  # a folder written by wf.save(folder, save_program=True)
-        from flowopt.program_files import PROGRAM_JSON
-
-        file = file / PROGRAM_JSON
-    if not file.is_file():
-        raise SchemaError(f"no workflow file at {file}", fix="check the path, or save one with Workflow.save")
-    wf = workflow_from_dict(read_document(file))
-    if lms:
-        wf.lms.update(lms)
-    if trust_endpoints:
-        wf.lms = trust_loaded_specs(wf.lms)
-    refuse_loaded_endpoints(wf.lms, source=str(file))
-    return wf

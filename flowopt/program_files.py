@@ -5,7 +5,7 @@ writes a program folder that both ``flowopt.load(dir)`` and ``dspy.load(dir, all
 
 - ``program.json``: flowopt's document (structure, instructions, demos, settings), read without pickle;
 - ``program.pkl``: for ``dspy.load``, a pickle holding no code, only a call to
-  :func:`workflow_from_program_json` with that same document;
+  :func:`flowopt.workflow.workflow_from_program_json` with that same document;
 - ``metadata.json``: DSPy's dependency versions, which ``dspy.load`` checks.
 
 ``wf.load(path)`` reads flowopt's document or DSPy's state format (``dspy.Module.save(wf, "x.json")``)
@@ -18,12 +18,17 @@ import logging
 import pickle
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from flowopt.errors import SchemaError, WorkflowError
+from flowopt.ir import workflow_from_dict
+from flowopt.lm_spec import refuse_loaded_endpoints
+from flowopt.workflow_graph import WorkflowGraph
 
 if TYPE_CHECKING:
     from flowopt.workflow import Workflow
+
+WorkflowT = TypeVar("WorkflowT", bound=WorkflowGraph)
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +99,7 @@ def load_into(wf: Workflow, path: str | Path, *, allow_pickle: bool = False,
         _check_state_names(wf, document, source)
         dspy.Module.load(wf, str(source), allow_pickle=allow_pickle, allow_unsafe_lm_state=allow_unsafe_lm_state)
         return _loaded(source, DSPY_STATE)
-    loaded = _document_workflow(document, source=str(source))
+    loaded = document_workflow(document, type(wf), source=str(source))
     bound = {name: lm for name, lm in wf.lms.items() if not isinstance(lm, dict) and name in loaded.lms}
     loaded.lms.update(bound)
     wf.__dict__.clear()
@@ -102,19 +107,10 @@ def load_into(wf: Workflow, path: str | Path, *, allow_pickle: bool = False,
     return _loaded(source, FLOWOPT_DOCUMENT)
 
 
-def workflow_from_program_json(text: str) -> Workflow:
-    """What ``program.pkl`` calls when unpickled: the workflow from its flowopt document, with the
-    same refusal of file-chosen LM endpoints as :func:`flowopt.load`."""
-    from flowopt.ir import loads
-
-    return _document_workflow(loads(text), source="a pickled flowopt program")
-
-
-def _document_workflow(document: Any, *, source: str) -> Workflow:
-    from flowopt.ir import workflow_from_dict
-    from flowopt.lm_spec import refuse_loaded_endpoints
-
-    wf = workflow_from_dict(document)
+def document_workflow(document: Any, cls: type[WorkflowT], *, source: str) -> WorkflowT:
+    """A workflow of class ``cls`` from a loaded flowopt document, refusing LM endpoints the file chose
+    (as :func:`flowopt.load` does); ``source`` names the file in that error."""
+    wf = workflow_from_dict(document, cls)
     refuse_loaded_endpoints(wf.lms, source=source)
     return wf
 

@@ -2,7 +2,8 @@
 
 Types come from the annotations that the operator's ``__init__`` or the stage's dataclass already
 declare (``int``, ``float | None``, ``tuple[int, ...]``, ``Mapping[str, ...]``...); bounds are declared
-next to them with :func:`between`, :func:`at_least`, :func:`above` and :func:`one_of`. A bad value
+next to them with :func:`between`, :func:`at_least`, :func:`above`, :func:`one_of` and (for a text's
+format) :func:`matches`. A bad value
 raises :class:`~flowopt.errors.ConfigError` naming the owner, the setting, the value and the fix.
 ``bool`` is never accepted as a number, an ``int`` setting refuses ``2.5``, and a ``float`` setting
 refuses NaN and infinity.
@@ -24,6 +25,8 @@ import collections.abc
 import dataclasses
 import functools
 import math
+import os
+import re
 import sys
 import types
 import typing
@@ -45,12 +48,17 @@ class Bound:
     low_open: bool = False
     choices: tuple[Any, ...] | None = None
     high_open: bool = False
+    pattern: str | None = None  # a text (or path) setting's format, for re.search
+    meaning: str | None = None  # what the pattern asks for, in words
+    sample: Any = None  # a value that fits, for the fix
 
     def allows(self, value: Any) -> bool:
         if value is None:  # None passed the type check, so the annotation allows it
             return True
         if self.choices is not None:
             return value in self.choices
+        if self.pattern is not None:
+            return not isinstance(value, str | os.PathLike) or re.search(self.pattern, os.fspath(value)) is not None
         if isinstance(value, bool) or not isinstance(value, int | float):
             return True  # a range only constrains numbers (sequence elements are checked one by one)
         if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
@@ -58,6 +66,8 @@ class Bound:
         return self.high is None or value < self.high or (value == self.high and not self.high_open)
 
     def describe(self) -> str:
+        if self.meaning is not None:
+            return self.meaning
         if self.choices is not None:
             return f"one of {list(self.choices)}"
         low = "" if self.low is None else f"{'>' if self.low_open else '>='} {self.low:g}"
@@ -65,6 +75,8 @@ class Bound:
         return " and ".join(p for p in (low, high) if p)
 
     def example(self) -> Any:
+        if self.sample is not None:
+            return self.sample
         if self.choices is not None:
             return self.choices[0]
         if self.low is None:
@@ -100,6 +112,18 @@ def below(high: float, low: float | None = None) -> Bound:
 def one_of(*choices: Any) -> Bound:
     """``value`` is one of ``choices``."""
     return Bound(choices=choices)
+
+
+def matches(pattern: str, *, meaning: str, sample: str) -> Bound:
+    """A text or path setting in which ``re.search(pattern)`` finds a match: ``meaning`` says what that
+    is in words, ``sample`` is a value that fits (the fix shows it).
+
+    Example:
+        >>> url = matches(r"^https?://[^\\s/]+", meaning="an http(s):// URL", sample="http://127.0.0.1:8000/v1")
+        >>> url.allows("http://localhost:8000/v1"), url.allows("localhost:8000"), url.describe()
+        (True, False, 'an http(s):// URL')
+    """
+    return Bound(pattern=pattern, meaning=meaning, sample=sample)
 
 
 def check_settings(owner: str, values: Mapping[str, Any], *, hints: Mapping[str, Any] | Callable[..., Any],
@@ -222,7 +246,7 @@ def _describe(annotation: Any, bound: Bound | None) -> str:
     optional = annotation is not _base(annotation) or annotation is type(None)
     base = _base(annotation)
     origin, args = typing.get_origin(base), typing.get_args(base)
-    if bound is not None and bound.choices is not None:
+    if bound is not None and (bound.choices is not None or bound.pattern is not None):
         text = bound.describe()
     elif origin in (list, tuple, collections.abc.Sequence):
         item = _NAMES.get(args[0] if args else Any, (None, "values"))[1]

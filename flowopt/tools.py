@@ -25,10 +25,10 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, Literal
 
 from flowopt.errors import ConfigError, FlowoptError
+from flowopt.plugins import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -100,47 +100,30 @@ def _clip(text: str) -> str:
 
 # -- the registry --------------------------------------------------------------------------------------------
 
-_REGISTRY: dict[str, Tool] = {}
-_LOCK = threading.Lock()
-_ENTRY_POINTS_LOADED = False
+def _tool_name(tool: object) -> str:
+    if not isinstance(tool, Tool):
+        raise ConfigError(f"{tool!r} is not a flowopt.tools.Tool", fix="wrap the function as Tool(name, ...)")
+    return tool.name
+
+
+TOOLS: Registry[Tool] = Registry("tool", "flowopt.tools", _tool_name,
+                                 how_to_add="register yours with flowopt.tools.register_tool or the "
+                                            "'flowopt.tools' entry-point group")
 
 
 def register_tool(tool: Tool) -> Tool:
     """Register ``tool`` under its name (replacing one of the same name)."""
-    if not isinstance(tool, Tool):
-        raise ConfigError(f"{tool!r} is not a flowopt.tools.Tool", fix="wrap the function as Tool(name, ...)")
-    with _LOCK:
-        _REGISTRY[tool.name] = tool
-    return tool
-
-
-def _load_entry_points() -> None:
-    global _ENTRY_POINTS_LOADED
-    if _ENTRY_POINTS_LOADED:
-        return
-    for ep in entry_points(group="flowopt.tools"):
-        if ep.name not in _REGISTRY:
-            tool = ep.load()
-            register_tool(tool)
-    _ENTRY_POINTS_LOADED = True
+    return TOOLS.register(tool)
 
 
 def tool_names() -> list[str]:
     """Every registered tool name."""
-    _load_entry_points()
-    return sorted(_REGISTRY)
+    return sorted(TOOLS.names())
 
 
 def get_tool(name: str) -> Tool:
     """The tool registered as ``name``; an unknown name raises :class:`ConfigError` listing the known ones."""
-    if name not in _REGISTRY:
-        _load_entry_points()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ConfigError(f"unknown tool {name!r} (registered tools: {sorted(_REGISTRY)})",
-                          fix="name a registered tool, or register yours with flowopt.tools.register_tool or "
-                              "the 'flowopt.tools' entry-point group") from None
+    return TOOLS.get(name)
 
 
 # -- the call log --------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Run: python -m flowopt.benchmarks.perf.decode_side_by_side [--device cpu|cuda] [--model gemma|gemma-shaped|tiny]
      [--callers 1,8,64] [--tokens 64] [--impls local,local-compiled,generate,generate-static] [--repeats 2]
-Writes benchmarks/results/decode_side_by_side.{json,md} (``--out STEM``).
+Writes benchmarks/results/decode_side_by_side.{json,md} (``--out STEM``), and STEM.partial.json after each caller count
+until the run ends (what a time limit leaves).
 
 Every implementation decodes greedily the same GSM8K prompts (rendered once by LocalLM) with the same
 token limit, on the same weights in one process, and stops at EOS. ``C`` concurrent callers are:
@@ -18,9 +19,10 @@ produced (a batched ``generate`` runs on to its longest row; that cost is counte
 round of every implementation and caller count is a warm-up (compilation happens there; its seconds are
 reported). Implementations are interleaved over ``--repeats`` and the median is reported.
 
-GPU command (one call on the lent GPU machine, ``/work/shared/gpu/README.md`` case (a); ready to run, not yet
-run: no GPU in the session that wrote this). Build the bundle from the committed HEAD, then make one call
-that carries ``.gpu``; it runs this script and the GRPO step against TRL, about 9 minutes in all::
+GPU command (one call on the lent GPU machine, ``/work/shared/gpu/README.md`` case (a); run on an H200 on
+2026-11-27 with ``--impls local-compiled,generate-static --callers 1,64``, about 200 s, most of it compiling:
+``benchmarks/results/decode_side_by_side_h200.md``). Build the bundle from the committed HEAD, then make one
+call that carries ``.gpu``; it runs this script and the GRPO step against TRL, about 9 minutes in all::
 
     ../shared/gpu/build-bundle.sh .gpu --with-trl
     bash .gpu/run-on-gpu.sh --timeout 230 --log decode.log -- python3 -m flowopt.benchmarks.perf.decode_side_by_side \
@@ -46,6 +48,7 @@ from typing import Any
 
 from flowopt.benchmarks.perf.harness import Goal, PerfParser, interleaved, markdown_table, setup_logging, start_run
 from flowopt.benchmarks.perf.lm_workload import gsm8k_prompts
+from flowopt.io import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +102,10 @@ def generate_round(local: Any, prompts: list[list[int]], callers: int, tokens: i
     model, eos = local.base_model, local.eos_ids
     extra: dict[str, Any] = {}
     if static:
+        if local.device.type == "cuda":
+            from flowopt.lm.decoder import cuda_graph_thread_state
+
+            cuda_graph_thread_state()  # this thread's own CUDA-graph trees (the decode loop's live in its thread)
         config = CompileConfig(mode="reduce-overhead" if local.device.type == "cuda" else "default")
         config._compile_all_devices = True  # transformers compiles only on accelerators unless told
         extra = {"cache_implementation": "static", "compile_config": config}
@@ -159,10 +166,13 @@ def main(argv: list[str] | None = None) -> int:
             results["rates"][str(c)] = {n: round(statistics.median(k / s for k, s in v), 2) for n, v in runs.items()}
             results["tokens"][str(c)] = {n: [k for k, _ in v] for n, v in runs.items()}
             logger.info("%d caller(s): tokens/s %s", c, results["rates"][str(c)])
+            # What is measured so far survives a run stopped by a time limit (a GPU call's, say).
+            atomic_write_json(run.sibling(".partial.json"), results)
         results["local_decode_stats"] = local.decode_stats.summary()
         results["local_compiled_decode_stats"] = compiled.decode_stats.summary()
         local.close()
         compiled.close()
+    run.sibling(".partial.json").unlink(missing_ok=True)
     rates = results["rates"]
     rows = [[name, *(rates[str(c)].get(name, "") for c in callers)] for name in impls]
     body = [f"Model `{args.model}` on `{results['device']}` ({results['dtype']}); greedy, up to {args.tokens} new "

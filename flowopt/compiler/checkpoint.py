@@ -139,7 +139,8 @@ def _is_json(value: Any) -> bool:
 
 def saved_output(run_dir: str | Path, index: int, name: str, base: Any) -> Any | None:
     """The program stage ``index`` (``name``) of the run in ``run_dir`` returned, kept or not, rebuilt with
-    ``base``'s LM clients; ``None`` if the stage has not finished or returned no program.
+    ``base``'s LM clients; ``None`` if the stage has not returned yet or returned no program (a stage the
+    budget stopped is read too: what it made before the budget ran out).
 
     ``compile`` returns only the best program; this is how a caller scores what a rejected stage made
     (``flowopt bench`` reports every stage's own test score).
@@ -212,12 +213,17 @@ class RunFolder:
         path = _output_path(self.path, index, name)
         if not path.exists():
             return None
-        return read_sealed(path)
+        data = read_sealed(path)
+        return data if data.get("finished", True) else None  # a stage the budget stopped runs again
 
-    def save_finished(self, index: int, name: str, program: Any | None, row: dict[str, Any]) -> None:
+    def save_finished(self, index: int, name: str, program: Any | None, row: dict[str, Any], *,
+                      finished: bool = True) -> None:
+        """The stage's row and program; ``finished=False`` (the budget stopped it): readable by
+        :func:`saved_output`, but :meth:`finished` says the stage still has to run."""
         if not self.writer:
             return
-        data = {"row": row, "program": None if program is None else program_to_data(program)}
+        data = {"row": row, "program": None if program is None else program_to_data(program),
+                "finished": finished}
         self.stage_dir(index, name)  # made if the stage wrote nothing of its own
         atomic_write_json(_output_path(self.path, index, name), seal(data))
 

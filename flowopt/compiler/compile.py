@@ -210,9 +210,11 @@ def _run_stages(run: CompileRun, stage_names: list[str], stage_objs: list[Stage]
                     best, best_score = out, row.score if row.score is not None else best_score
                 if run.tracker.stop_reason is not None:  # a signal: nothing of this stage counts as finished
                     break
-                if folder is not None and not row.stop_reason.startswith("budget"):
-                    # Saved kept or not: a rejected output can still be scored on its own (saved_output).
-                    folder.save_finished(index, name, out, row.to_dict())
+                if folder is not None:
+                    # Saved kept or not: a rejected output can still be scored on its own (saved_output). One
+                    # the budget stopped is saved as unfinished, so that --resume runs the stage again.
+                    folder.save_finished(index, name, out, row.to_dict(),
+                                         finished=not row.stop_reason.startswith("budget"))
             report.stages.append(row)
             finish_report(report, run.tracker)
             if folder is not None:

@@ -7,19 +7,12 @@ imports a higher layer; :func:`register_stage` adds a user's own class.
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Mapping, Sequence
-from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
 from flowopt.compiler.stage import Stage
 from flowopt.errors import ConfigError
-
-logger = logging.getLogger(__name__)
-
-_REGISTRY: dict[str, type[Stage]] = {}
-_LOCK = threading.Lock()
+from flowopt.plugins import Registry
 
 StageT = TypeVar("StageT", bound=type[Stage])
 
@@ -28,6 +21,18 @@ StageT = TypeVar("StageT", bound=type[Stage])
 #: benchmarks/results/search_generalisation.md: 0.55x BootstrapFewShotWithRandomSearch's LM calls for
 #: search alone, 0.63x for demos + search, at the same held-out score).
 DEFAULT_STAGES = ("search",)
+
+
+def _stage_name(cls: object) -> str:
+    if not (isinstance(cls, type) and issubclass(cls, Stage)):
+        raise ConfigError(f"{cls!r} is not a Stage subclass", fix="subclass flowopt.compiler.Stage")
+    if not cls.name:
+        raise ConfigError(f"stage class {cls.__name__} has no name", fix='set name: ClassVar[str] = "mystage"')
+    return cls.name
+
+
+STAGES: Registry[type[Stage]] = Registry("stage", "flowopt.stages", _stage_name,
+                                         how_to_add="register yours with flowopt.register_stage")
 
 
 def register_stage(cls: StageT) -> StageT:
@@ -46,49 +51,18 @@ def register_stage(cls: StageT) -> StageT:
         >>> get_stage("noop") is Noop
         True
     """
-    if not (isinstance(cls, type) and issubclass(cls, Stage)):
-        raise ConfigError(f"{cls!r} is not a Stage subclass", fix="subclass flowopt.compiler.Stage")
-    if not cls.name:
-        raise ConfigError(f"stage class {cls.__name__} has no name", fix='set name: ClassVar[str] = "mystage"')
-    with _LOCK:
-        _REGISTRY[cls.name] = cls
+    STAGES.register(cls)
     return cls
-
-
-def _entry_point(name: str) -> Any:
-    for ep in entry_points(group="flowopt.stages"):
-        if ep.name == name:
-            return ep
-    return None
 
 
 def get_stage(name: str) -> type[Stage]:
     """The stage class registered as ``name``; raises :class:`ConfigError` listing the known names."""
-    with _LOCK:
-        cls = _REGISTRY.get(name)
-    if cls is not None:
-        return cls
-    ep = _entry_point(name)
-    if ep is None:
-        raise ConfigError(f"unknown stage {name!r}",
-                          fix=f"use one of {stage_names()} or register yours with flowopt.register_stage")
-    try:
-        cls = ep.load()
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"stage {name!r} is declared ({ep.value}) but cannot be loaded: {err}",
-                          fix="install the package that provides it, or pick another stage") from err
-    if not (isinstance(cls, type) and issubclass(cls, Stage)):
-        raise ConfigError(f"entry point {ep.value} for stage {name!r} is not a Stage subclass",
-                          fix="point the flowopt.stages entry point at a Stage class")
-    with _LOCK:
-        _REGISTRY.setdefault(name, cls)
-    return cls
+    return STAGES.get(name)
 
 
 def stage_names() -> list[str]:
-    names = set(_REGISTRY)
-    names.update(ep.name for ep in entry_points(group="flowopt.stages"))
-    return sorted(names)
+    """Every registered or declared stage name, sorted."""
+    return sorted(STAGES.names())
 
 
 StageSpec = Stage | str | tuple[str, Mapping[str, Any]]

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 from flowopt.lm.completion_adapter import AutoAdapter, CompletionAdapter, adapter_for
 
 if TYPE_CHECKING:
-    from flowopt.lm.engine import LocalDSPyLM, LocalEngine
+    from flowopt.lm.engine import LocalDSPyLM, LocalEngine, local_of
     from flowopt.lm.local import LocalLM
     from flowopt.lm.sampling import RowSettings, Sample
-    from flowopt.lm.shared import lm_from_spec, local_of, shared_local_lm
+    from flowopt.lm.served_engine import ServerEngine
+    from flowopt.lm.shared import lm_from_spec, shared_local_lm
 
 __all__ = [
     "AutoAdapter",
@@ -30,6 +31,7 @@ __all__ = [
     "LocalLM",
     "RowSettings",
     "Sample",
+    "ServerEngine",
     "adapter_for",
     "lm_from_spec",
     "local_of",
@@ -42,8 +44,9 @@ _LAZY = {
     "LocalDSPyLM": "flowopt.lm.engine",
     "RowSettings": "flowopt.lm.sampling",
     "Sample": "flowopt.lm.sampling",
+    "ServerEngine": "flowopt.lm.served_engine",
     "lm_from_spec": "flowopt.lm.shared",
-    "local_of": "flowopt.lm.shared",
+    "local_of": "flowopt.lm.engine",
     "shared_local_lm": "flowopt.lm.shared",
 }
 

@@ -265,7 +265,7 @@ class CompletionAdapter(Adapter):
 
 
 def _is_base_local(lm: Any) -> bool:
-    from flowopt.lm.shared import local_of
+    from flowopt.lm.engine import local_of
 
     local = local_of(lm)
     return local is not None and local.is_base

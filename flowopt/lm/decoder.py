@@ -18,6 +18,7 @@ and a warning says so once per process.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _compile_failure: list[str] = []  # the first compile failure of this process (compiling is not retried)
+
+
+def cuda_graph_thread_state() -> None:
+    """Give the calling thread its own CUDA-graph tree state, so compiled code with CUDA graphs runs in it.
+
+    torch keeps the CUDA-graph trees of ``mode="reduce-overhead"`` in a ``threading.local`` filled only in
+    the thread that first imported ``torch._inductor.cudagraph_trees`` (and in autograd's threads); any
+    other thread that replays a graph fails an assertion (``_is_key_in_tls``). The decode loop runs in a
+    batcher thread, and callers (``generate`` with a compiled static cache, say) in theirs: each gets its
+    own trees here.
+    """
+    from collections import defaultdict
+
+    from torch._inductor import cudagraph_trees
+
+    local = cudagraph_trees.local
+    if not hasattr(local, "tree_manager_containers"):
+        local.tree_manager_containers = {}
+        local.tree_manager_locks = defaultdict(threading.Lock)
 
 
 @dataclass(frozen=True)
@@ -203,6 +223,8 @@ class Decoder:
         first = shape not in self._shapes
         began = time.perf_counter()
         try:
+            if self.device.type == "cuda":
+                cuda_graph_thread_state()
             logits = self._compiled_step()(parts, view, ids, positions, mask)
         except Exception as exc:  # any compiler failure: decode eagerly, and say so once
             _compile_failure.append(f"{type(exc).__name__}: {exc}")

@@ -261,3 +261,9 @@ class LocalDSPyLM(dspy.LM):
         if self.kwargs.get("max_tokens") is not None:
             spec["max_new_tokens"] = self.kwargs["max_tokens"]
         return spec
+
+
+def local_of(lm: Any) -> LocalLM | None:
+    """The LocalLM behind a ``dspy.LM`` (None for hosted models)."""
+    engine = getattr(lm, "engine", None)
+    return engine.local if isinstance(engine, LocalEngine) else None

@@ -116,7 +116,7 @@ def bind_saved_adapter(saved: Any, base_lm: Any, weights: Any) -> Any:
     against the sha256 the program recorded; binding the caller's LM would run the input's weights. When
     the caller's entry is itself a description (a loaded program), such an entry keeps its own.
     """
-    from flowopt.lm.shared import local_of
+    from flowopt.lm.engine import local_of
 
     if not isinstance(saved, dict) or not saved.get("adapter"):
         return base_lm

@@ -5,8 +5,9 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/mo
 adapter endpoints ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``
 (:mod:`flowopt.lm.serve_lora`); a request samples with a loaded adapter by naming it as its ``model``.
 A ``model`` the server does not serve is a 404 in OpenAI's error shape. Requests from concurrent clients
-go through the LocalLM's dynamic batcher, so they share batches. Binds to 127.0.0.1 by default: there is
-no authentication (any API key is accepted). Bodies over 8 MiB are a 413.
+go through the LocalLM's dynamic batcher, so they share batches; a client that leaves, and SIGTERM or
+Ctrl-C, end work early (:mod:`flowopt.lm.serve_lifecycle`). Binds to 127.0.0.1 by default: there is no
+authentication (any API key is accepted). Bodies over 8 MiB are a 413.
 
 As OpenAI and vLLM behave: ``stream=true`` streams server-sent events (:mod:`flowopt.lm.serve_stream`,
 ``stream_options.include_usage`` too); without ``max_tokens`` a completion may use what the model's
@@ -32,19 +33,19 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flowopt.errors import FlowoptError
 from flowopt.lm.sampling import RowSettings, Sample, derive_seed
+from flowopt.lm.serve_errors import BodyLimit, add_error_handlers, error_response, lora_error
+from flowopt.lm.serve_lifecycle import CLIENT_CLOSED, answer_while_connected, keep_going, serve
 from flowopt.lm.serve_logprobs import chat_logprobs, text_logprobs
 from flowopt.lm.serve_lora import LoraRefused, RuntimeLoras
 from flowopt.lm.serve_record import Recording, RecordingRefused, RolloutRecorder
@@ -112,11 +113,13 @@ def _check_request(body: SamplingRequest, prompts: int = 1) -> None:
         raise BadRequest("echo is not streamed by flowopt serve; ask without stream=true", "echo")
 
 
-def _generate(local: LocalLM, prompt_ids: list[int], rows: list[RowSettings], adapter: Any, n: int) -> list[Sample]:
+def _generate(local: LocalLM, prompt_ids: list[int], rows: list[RowSettings], adapter: Any, n: int,
+              cancel: threading.Event | None) -> list[Sample]:
     if not rows:  # max_tokens=0: the prompt only, as n empty completions
         return [Sample(prompt_ids=list(prompt_ids), completion_ids=[], text="", finish_reason="length")
                 for _ in range(n)]
-    return local.complete_many(prompt_ids, rows, adapter=adapter)
+    return local.complete_many(prompt_ids, rows, adapter=adapter,
+                               on_tokens=None if cancel is None else keep_going(cancel))
 
 
 def _usage(prompt_tokens: int, samples: Sequence[Sample]) -> dict[str, int]:
@@ -136,10 +139,12 @@ def _chat_prompt(local: LocalLM, body: ChatRequest) -> list[int]:
     return list(local.render([{"role": m.role, "content": m.text()} for m in body.messages]))
 
 
-def chat_completion(local: LocalLM, body: ChatRequest, model_name: str, adapter: Any = ...) -> dict[str, Any]:
-    """Answer one ``/v1/chat/completions`` body (``adapter`` as in :meth:`LocalLM.complete_ids`)."""
+def chat_completion(local: LocalLM, body: ChatRequest, model_name: str, adapter: Any = ..., *,
+                    cancel: threading.Event | None = None) -> dict[str, Any]:
+    """Answer one ``/v1/chat/completions`` body (``adapter`` as in :meth:`LocalLM.complete_ids`); setting
+    ``cancel`` ends its rows at their next decode step (finish_reason ``"cancelled"``)."""
     prompt_ids = _chat_prompt(local, body)
-    samples = _generate(local, prompt_ids, _rows(local, body, len(prompt_ids)), adapter, body.n)
+    samples = _generate(local, prompt_ids, _rows(local, body, len(prompt_ids)), adapter, body.n, cancel)
     top = body.top_logprobs_wanted()
     choices = []
     for i, s in enumerate(samples):
@@ -164,15 +169,17 @@ def _prompts(local: LocalLM, body: CompletionRequest) -> list[tuple[str, list[in
     return [(text, list(local.render(text))) for text in texts]
 
 
-def text_completion(local: LocalLM, body: CompletionRequest, model_name: str, adapter: Any = ...) -> dict[str, Any]:
-    """Answer one ``/v1/completions`` body (the prompt is raw text: no chat template, no transcript)."""
+def text_completion(local: LocalLM, body: CompletionRequest, model_name: str, adapter: Any = ..., *,
+                    cancel: threading.Event | None = None) -> dict[str, Any]:
+    """Answer one ``/v1/completions`` body (raw text: no chat template, no transcript); ``cancel`` as in
+    :func:`chat_completion`."""
     choices: list[dict[str, Any]] = []
     used: list[Sample] = []
     prompt_tokens = 0
     top = body.top_logprobs_wanted()
     for text, prompt_ids in _prompts(local, body):
         prompt_tokens += len(prompt_ids)
-        samples = _generate(local, prompt_ids, _rows(local, body, len(prompt_ids)), adapter, body.n)
+        samples = _generate(local, prompt_ids, _rows(local, body, len(prompt_ids)), adapter, body.n, cancel)
         used += samples
         for s in samples:
             logprobs = None if top is None else text_logprobs(
@@ -221,59 +228,6 @@ def _stream(local: LocalLM, body: SamplingRequest, model_name: str, adapter: Any
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _error(status: int, message: str, kind: str, *, param: str | None = None, code: str | None = None
-           ) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message[:2000], "type": kind,
-                                                                 "param": param, "code": code}})
-
-
-def _lora_error(exc: LoraRefused) -> JSONResponse:
-    kinds = {403: "PermissionDenied", 404: "NotFoundError"}
-    return _error(exc.status, str(exc), kinds.get(exc.status, "invalid_request_error"))
-
-
-def _validation_message(exc: RequestValidationError) -> str:
-    """The first few problems, each as 'where: what' (never the offending value, which may be huge)."""
-    problems = []
-    for problem in exc.errors()[:5]:
-        where = ".".join(str(part) for part in problem.get("loc", ()) if part != "body")[:200]
-        problems.append(f"{where or 'body'}: {str(problem.get('msg', 'invalid'))[:200]}")
-    return "; ".join(problems) or "invalid request body"
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` is a 413, whether its length is declared or not."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large()(scope, receive, send)
-            return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:  # FastAPI answers an HTTPException raised while reading with its status
-                raise HTTPException(413, self._message())
-            return message
-
-        await self.app(scope, counted, send)
-
-    def _message(self) -> str:
-        return f"request body over {self.max_bytes} bytes; send less (prompts, messages and demos belong in KBs)"
-
-    def _too_large(self) -> JSONResponse:
-        return _error(413, self._message(), "invalid_request_error")
-
-
 def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeLoras | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, recorder: RolloutRecorder | None = None) -> FastAPI:
     """The FastAPI application serving ``local`` under ``model_name`` (default: its name).
@@ -289,64 +243,84 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
         >>> TestClient(create_app(local, model_name="tiny")).get("/v1/models/tiny").json()["id"]  # doctest: +SKIP
         'tiny'
     """
-    name = model_name or local.name
-    loras = loras or RuntimeLoras(local, lora_root=None)
-    app = FastAPI(title="flowopt serve", version="1", routes=recorder.routes(loras) if recorder is not None else None)
+    served = ServedModel(local, model_name or local.name, loras or RuntimeLoras(local, lora_root=None), recorder)
+    routes = recorder.routes(served.loras) if recorder is not None else None
+    app = FastAPI(title="flowopt serve", version="1", routes=routes)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    add_error_handlers(app)
+    _add_sampling_routes(app, served)
+    _add_lora_routes(app, served.loras)
+    _add_model_routes(app, served)
+    return app
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(400, _validation_message(exc), "invalid_request_error")
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        # FastAPI answers 400 "error parsing the body" for JSON it cannot read (e.g. nested too deep).
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+class ServedModel:
+    """What one server serves: the LocalLM under its name, the adapters loaded at run time, and the
+    recorder of rollouts (or None); answers a sampling request with them.
 
-    def model_cards() -> list[dict[str, Any]]:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "flowopt"}]
-        return data + [{"id": lora, "object": "model", "created": 0, "owned_by": "flowopt", "parent": name}
-                       for lora in loras.loaded]
+    Example:
+        >>> served = ServedModel(local, "tiny", RuntimeLoras(local, lora_root=None), None)  # doctest: +SKIP
+        >>> [card["id"] for card in served.model_cards()]  # doctest: +SKIP
+        ['tiny']
+    """
 
-    def not_found(model: str) -> JSONResponse:
-        return _error(404, f"The model {model!r} does not exist: this server serves {[c['id'] for c in model_cards()]}",
-                      "NotFoundError", param="model", code="model_not_found")
+    def __init__(self, local: LocalLM, name: str, loras: RuntimeLoras, recorder: RolloutRecorder | None) -> None:
+        self.local, self.name, self.loras, self.recorder = local, name, loras, recorder
 
-    async def answer(handler: Any, body: SamplingRequest, prompts: Any, request: Request) -> Any:
+    def model_cards(self) -> list[dict[str, Any]]:
+        data = [{"id": self.name, "object": "model", "created": 0, "owned_by": "flowopt"}]
+        return data + [{"id": lora, "object": "model", "created": 0, "owned_by": "flowopt", "parent": self.name}
+                       for lora in self.loras.loaded]
+
+    def not_found(self, model: str) -> JSONResponse:
+        return error_response(404, f"The model {model!r} does not exist: this server serves "
+                                   f"{[c['id'] for c in self.model_cards()]}",
+                              "NotFoundError", param="model", code="model_not_found")
+
+    async def answer(self, handler: Any, body: SamplingRequest, prompts: Any, request: Request) -> Any:
+        """Sample ``body`` with the weights its ``model`` names: streamed, or whole through ``handler``."""
         try:  # recording mode (flowopt.lm.serve_record): a request tagged with a rollout id is recorded
-            body = (recording := Recording.start(recorder, request.headers, body)).body
+            body = (recording := Recording.start(self.recorder, request.headers, body)).body
         except RecordingRefused as exc:
-            return _error(exc.status, str(exc), "invalid_request_error")
-        adapter = loras.adapter_for(body.model)
-        if adapter is None and body.model not in (None, name):
-            return not_found(body.model)
+            return error_response(exc.status, str(exc), "invalid_request_error")
+        adapter = self.loras.adapter_for(body.model)
+        if adapter is None and body.model not in (None, self.name):
+            return self.not_found(body.model)
         pinned = ... if adapter is None else adapter
-        served = adapter or name
+        served = adapter or self.name
+        local = self.local
         try:
             if body.stream:
                 return _stream(local, body, served, pinned, [ids for _, ids in prompts(local, body)])
-            # Generation blocks; a worker thread per request lets concurrent requests meet in one batch.
-            return JSONResponse(recording.finish(await run_in_threadpool(handler, local, body, served, pinned)))
+            # Generation blocks; a worker thread per request lets concurrent requests meet in one batch. A
+            # client that leaves cancels its rows (flowopt.lm.serve_lifecycle); nothing of it is recorded.
+            result, left = await answer_while_connected(request, handler, local, body, served, pinned)
+            return error_response(CLIENT_CLOSED, "client closed request", "cancelled") if left else JSONResponse(
+                recording.finish(result))
         except (BadRequest, FlowoptError) as exc:
-            return _error(400, str(exc), "invalid_request_error", param=getattr(exc, "param", None))
+            return error_response(400, str(exc), "invalid_request_error", param=getattr(exc, "param", None))
         except Exception as exc:  # the server stays up; the client sees what went wrong
             logger.exception("generation failed")
-            return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
+            return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
 
+
+def _add_sampling_routes(app: FastAPI, served: ServedModel) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
-        return await answer(chat_completion, body, lambda lm, b: [("", _chat_prompt(lm, b))], request)
+        return await served.answer(chat_completion, body, lambda lm, b: [("", _chat_prompt(lm, b))], request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await answer(text_completion, body, _prompts, request)
+        return await served.answer(text_completion, body, _prompts, request)
 
+
+def _add_lora_routes(app: FastAPI, loras: RuntimeLoras) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraRequest) -> Any:
         try:
             await run_in_threadpool(loras.load, body.lora_name, body.lora_path)
         except LoraRefused as exc:
-            return _lora_error(exc)
+            return lora_error(exc)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -354,24 +328,25 @@ def create_app(local: LocalLM, *, model_name: str | None = None, loras: RuntimeL
         try:
             await run_in_threadpool(loras.unload, body.lora_name)
         except LoraRefused as exc:
-            return _lora_error(exc)
+            return lora_error(exc)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
+
+def _add_model_routes(app: FastAPI, served: ServedModel) -> None:
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": model_cards()}
+        return {"object": "list", "data": served.model_cards()}
 
     @app.get("/v1/models/{model:path}")
     def model(model: str) -> Any:
-        card = next((c for c in model_cards() if c["id"] == model), None)
-        return card if card is not None else not_found(model)
+        card = next((c for c in served.model_cards() if c["id"] == model), None)
+        return card if card is not None else served.not_found(model)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "model": name, "adapter": local.active_adapter, "device": str(local.device),
-                "loras": sorted(loras.loaded)}
-
-    return app
+        local = served.local
+        return {"status": "ok", "model": served.name, "adapter": local.active_adapter, "device": str(local.device),
+                "loras": sorted(served.loras.loaded)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -395,14 +370,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--record-rollouts", action="store_true",
                         help="record requests tagged with an X-Rollout-Id header as training transitions "
                              "(flowopt.lm.serve_record)")
+    parser.add_argument("--shutdown-timeout", type=int, default=10,
+                        help="seconds requests in flight get to finish after SIGTERM/Ctrl-C (default 10)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
-    """``flowopt serve MODEL [--adapter DIR] --port N [--host 127.0.0.1]``; returns the exit status."""
-    import uvicorn
-
+    """``flowopt serve MODEL [--adapter DIR] --port N [--host 127.0.0.1]``; returns the exit status (143
+    after SIGTERM, 130 after Ctrl-C: :mod:`flowopt.lm.serve_lifecycle`)."""
     from flowopt.lm.local import LocalLM
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -435,8 +411,8 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     app = create_app(local, model_name=options.name, loras=loras,
                      recorder=RolloutRecorder() if options.record_rollouts else None)
     logger.info("serving %r at http://%s:%d/v1", options.name or local.name, options.host, options.port)
-    uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)
-    return 0
+    return serve(app, host=options.host, port=options.port, log_level=options.log_level,
+                 shutdown_timeout=options.shutdown_timeout)
 
 
 if __name__ == "__main__":

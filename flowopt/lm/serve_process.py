@@ -17,12 +17,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from flowopt.errors import LMError
 from flowopt.ports import free_port
 
 MODULE = ("-m", "flowopt.lm.serve")  # the interpreter arguments that start the server
+
+
+@dataclass(frozen=True)
+class ServedProcess:
+    """A running ``flowopt serve``: its base URL (``http://127.0.0.1:PORT/v1``) and its process."""
+
+    base: str
+    process: subprocess.Popen
 
 
 @contextlib.contextmanager
@@ -35,6 +44,16 @@ def serve_subprocess(model: Path | str, *options: str, log: Path, entry: Sequenc
     ``start_timeout_s`` raises :class:`~flowopt.errors.LMError` quoting the log. The server is stopped
     on exit. ``env`` adds variables to this process's environment (e.g. ``OMP_NUM_THREADS``).
     """
+    with serve_process(model, *options, log=log, entry=entry, env=env, cwd=cwd,
+                       start_timeout_s=start_timeout_s) as served:
+        yield served.base
+
+
+@contextlib.contextmanager
+def serve_process(model: Path | str, *options: str, log: Path, entry: Sequence[str] = MODULE,
+                  env: Mapping[str, str] | None = None, cwd: Path | None = None,
+                  start_timeout_s: float = 180.0) -> Iterator[ServedProcess]:
+    """As :func:`serve_subprocess`, yielding the process too (to signal it); stopped on exit if still running."""
     import httpx
 
     port = free_port()
@@ -54,7 +73,8 @@ def serve_subprocess(model: Path | str, *options: str, log: Path, entry: Sequenc
                     raise LMError(f"flowopt serve did not start on port {port}:\n{log.read_text()[-3000:]}",
                                   fix="read the server's log above; check the model folder and the options") from None
                 time.sleep(0.3)
-        yield base
+        yield ServedProcess(base, proc)
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()  # SIGTERM: the server finishes what is in flight (flowopt.lm.serve_lifecycle)
         proc.wait(timeout=30)

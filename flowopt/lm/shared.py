@@ -53,11 +53,3 @@ def lm_from_spec(spec: Mapping[str, Any]) -> dspy.LM:
     if max_tokens is not None:
         overrides["max_tokens"] = int(max_tokens)
     return local.lm.copy(**overrides) if overrides else local.lm
-
-
-def local_of(lm: Any) -> LocalLM | None:
-    """The LocalLM behind a ``dspy.LM`` (None for hosted models)."""
-    from flowopt.lm.engine import LocalEngine
-
-    engine = getattr(lm, "engine", None)
-    return engine.local if isinstance(engine, LocalEngine) else None

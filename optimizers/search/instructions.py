@@ -49,7 +49,9 @@ def instruction_candidates(stage: RandomSearch, program: dspy.Module, ctx: Stage
         proposer = stage.proposer_lm
         if proposer == TASK_LM:
             proposer = predictor.lm or dspy.settings.lm
-        if proposer is not None and stage.n_proposals and "instruction" in stage.kinds and name not in proposals:
+        # Proposals are read only by sampled candidates and extras: a search of seeded candidates alone pays none.
+        wanted = stage.n_proposals and "instruction" in stage.kinds and stage.may_sample()
+        if proposer is not None and wanted and name not in proposals:
             proposals[name] = _propose(stage, proposer, predictor, space.pools.get(name, []), ctx)
             ctx.save_checkpoint("instructions", proposals)
         for text in [*extra, *proposals.get(name, [])]:

@@ -27,13 +27,10 @@ Example:
 from __future__ import annotations
 
 import abc
-import logging
 import math
 import statistics
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import ClassVar, TypeVar
 
 from flowopt.errors import ConfigError
@@ -47,8 +44,7 @@ from flowopt.optimizers.search.pruning import (
     stratified_worse,
     worse_than,
 )
-
-logger = logging.getLogger(__name__)
+from flowopt.plugins import Registry
 
 ENTRY_POINT_GROUP = "flowopt.pruners"
 
@@ -298,54 +294,37 @@ class NoPruner(Pruner):
 
 
 # ---------------------------------------------------------------------------------------------- registry
-_REGISTRY: dict[str, type[Pruner]] = {}
-_LOCK = threading.Lock()
-_ENTRY_POINTS_LOADED = False
-
 PrunerT = TypeVar("PrunerT", bound=type[Pruner])
 
 
-def register_pruner(cls: PrunerT) -> PrunerT:
-    """Register a :class:`Pruner` class under its ``name`` (usable as a decorator); ``RandomSearch``
-    then takes ``pruner=<name>``."""
+def _pruner_name(cls: object) -> str:
     if not (isinstance(cls, type) and issubclass(cls, Pruner)):
         raise ConfigError(f"{cls!r} is not a Pruner subclass",
                           fix="subclass flowopt.optimizers.search.pruners.Pruner")
     if not cls.name:
         raise ConfigError(f"pruner class {cls.__name__} has no name", fix='set name = "mine" on the class')
-    with _LOCK:
-        existing = _REGISTRY.get(cls.name)
-        if existing is not None and existing is not cls:
-            logger.warning("pruner %r re-registered: %s replaces %s", cls.name, cls, existing)
-        _REGISTRY[cls.name] = cls
+    return cls.name
+
+
+PRUNERS: Registry[type[Pruner]] = Registry("pruner", ENTRY_POINT_GROUP, _pruner_name,
+                                           how_to_add="register yours with register_pruner")
+
+
+def register_pruner(cls: PrunerT) -> PrunerT:
+    """Register a :class:`Pruner` class under its ``name`` (usable as a decorator); ``RandomSearch``
+    then takes ``pruner=<name>``."""
+    PRUNERS.register(cls)
     return cls
-
-
-def _load_entry_points() -> None:
-    global _ENTRY_POINTS_LOADED
-    if _ENTRY_POINTS_LOADED:
-        return
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in _REGISTRY:
-            register_pruner(ep.load())
-    _ENTRY_POINTS_LOADED = True
 
 
 def get_pruner(name: str) -> type[Pruner]:
     """The pruner class registered as ``name``; raises :class:`ConfigError` listing the known names."""
-    if name not in _REGISTRY:
-        _load_entry_points()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ConfigError(f"unknown pruner {name!r}",
-                          fix=f"use one of {pruner_names()} or register yours with register_pruner") from None
+    return PRUNERS.get(name)
 
 
 def pruner_names() -> list[str]:
     """The registered pruner names (built-in ones first)."""
-    _load_entry_points()
-    return list(_REGISTRY)
+    return PRUNERS.names()
 
 
 for _builtin in (ConfidencePruner, StratifiedPruner, AnytimePruner, HalvingPruner, MedianPruner, NoPruner):

@@ -5,7 +5,8 @@ pushed before, load the new folder under a fresh name (a server caches adapters 
 program's LM calls go to the server with ``model=<that name>``. The server returns the sampled token
 ids and their log-probs; the update itself runs here, and its old policy is the training forward
 (:mod:`flowopt.optimizers.weights.learner`), so a sampler in another engine, dtype or kernel never
-rescales the gradient; the sampler's log-probs are reported against it (``sampler_logprob_gap``).
+rescales the gradient; the sampler's log-probs are reported against it (``sampler_logprob_gap``). The
+engine the program's calls go through is :class:`flowopt.lm.served_engine.ServerEngine`.
 
 Prompts: chat students go through ``/v1/chat/completions``, base students (no chat template) through
 ``/v1/completions`` with flowopt's plain transcript. The server must render them into the ids the
@@ -15,7 +16,6 @@ sends: a mismatch is an error.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -27,19 +27,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dspy.clients.engines.base import validate_request
-from dspy.lm15 import Request, Response, UnsupportedFeatureError
-
 from flowopt.errors import ConfigError, LMError
-from flowopt.lm.engine import request_messages, row_settings, sample_response
 from flowopt.lm.lora_client import LoraServer
 from flowopt.lm.sampling import Sample
+from flowopt.lm.served_engine import ServerEngine
 from flowopt.optimizers.weights.policy import Policy
-from flowopt.settings import above, check_stage
+from flowopt.settings import above, check_stage, matches
 
 logger = logging.getLogger(__name__)
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: The formats of :class:`InferenceServer`'s settings.
+SERVER_SETTINGS = {
+    "url": matches(r"^https?://[^\s/]+", meaning="an http(s)://HOST:PORT/v1 URL", sample="http://127.0.0.1:8000/v1"),
+    "adapter_dir": matches(r"\S", meaning="a folder the server can load adapters from (flowopt serve: one inside "
+                                         "its --lora-root)", sample="/srv/adapters/run1"),
+    "api_key_env": matches(r"^[A-Za-z_][A-Za-z0-9_]*$", meaning="the name of an environment variable holding the "
+                                                             "server's key", sample="VLLM_API_KEY"),
+    "timeout_s": above(0.0),
+}
 
 
 @dataclass(frozen=True)
@@ -67,17 +72,7 @@ class InferenceServer:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        check_stage(self, {"timeout_s": above(0.0)})  # the types; the formats below
-        if not re.match(r"^https?://[^\s/]+", self.url):
-            raise ConfigError(f"rollout server url must be http(s)://HOST:PORT/v1, got {self.url!r}",
-                              fix="pass e.g. InferenceServer('http://127.0.0.1:8000/v1', adapter_dir=...)")
-        if not str(self.adapter_dir).strip():
-            raise ConfigError("InferenceServer needs adapter_dir, a folder the server can load adapters from",
-                              fix="pass adapter_dir= a folder inside flowopt serve's --lora-root (or one vLLM "
-                                  "can read)")
-        if self.api_key_env is not None and not _ENV_NAME.match(self.api_key_env):
-            raise ConfigError(f"api_key_env must name an environment variable, got {self.api_key_env!r}",
-                              fix="pass api_key_env='VLLM_API_KEY' and export the key in that variable")
+        check_stage(self, SERVER_SETTINGS)
 
     def connect(self) -> LoraServer:
         api_key = None
@@ -87,55 +82,6 @@ class InferenceServer:
                 raise ConfigError(f"environment variable {self.api_key_env} (the rollout server's key) is not set",
                                   fix=f"export {self.api_key_env}=... or pass api_key_env=None")
         return LoraServer(self.url, api_key=api_key, timeout_s=self.timeout_s)
-
-
-class ServerEngine:
-    """DSPy 3.4 engine whose every call is sampled by the server with the pushed adapter.
-
-    Mirrors :class:`flowopt.lm.engine.LocalEngine` (``temperature`` overrides each request's,
-    ``max_new_tokens`` caps it, ``recorder`` sees every sample); ``seed`` gives each call its seed.
-    Server failures are also kept in :attr:`errors`, since a program may catch its LM's exceptions and
-    a failed server must stop the step, not pass for a wrong answer.
-    """
-
-    def __init__(self, server: LoraServer, policy: Policy, model: str, *, recorder: Callable[[Sample], None],
-                 temperature: float, max_new_tokens: int, seed: Callable[[], int | None]) -> None:
-        self.server, self.local, self.model = server, policy.local, model
-        self.recorder, self.temperature, self.max_new_tokens, self.seed = recorder, temperature, max_new_tokens, seed
-        self.errors: list[BaseException] = []
-
-    def complete(self, request: Request) -> Response:
-        validate_request(request)
-        if request.tools:
-            raise UnsupportedFeatureError("local students do not call tools natively", provider="local")
-        messages = request_messages(request)
-        settings = row_settings(self.local, request.config, temperature=self.temperature,
-                                max_new_tokens=self.max_new_tokens, logprobs=True)
-        settings = dataclasses.replace(settings, seed=self.seed())
-        expected = self.local.render(messages)
-        try:
-            if self.local.chat:
-                sample = self.server.sample(self.model, settings, messages=messages)
-            else:
-                sample = self.server.sample(self.model, settings, prompt=self.local.render_text(messages))
-            if not sample.prompt_ids:  # the server does not return prompt ids: they are the student's
-                sample.prompt_ids = list(expected)
-            elif sample.prompt_ids != list(expected):
-                raise LMError(f"the inference server rendered a prompt into {len(sample.prompt_ids)} token ids that "
-                              f"differ from the student's {len(expected)}: its tokenizer or chat template is not "
-                              "the student's", fix="serve the student's base model folder (and, for a model "
-                                                   "without a chat template, a template that sends the text as is)")
-        except LMError as exc:
-            self.errors.append(exc)
-            raise
-        self.recorder(sample)
-        return sample_response(self.local, request, sample)
-
-    def close(self) -> None:
-        """Nothing to release here: :class:`ServedRollouts` owns the connection."""
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> ServerEngine:
-        return self
 
 
 class ServedRollouts:
@@ -199,7 +145,7 @@ class ServedRollouts:
                seed: Callable[[], int | None]) -> ServerEngine:
         if self.current is None:
             raise RuntimeError("push() an adapter before sampling through the server")
-        return ServerEngine(self.server, self.policy, self.current, recorder=recorder, temperature=temperature,
+        return ServerEngine(self.server, self.policy.local, self.current, recorder=recorder, temperature=temperature,
                             max_new_tokens=max_new_tokens, seed=seed)
 
     def close(self) -> None:

@@ -370,3 +370,18 @@ def test_a_saved_program_of_another_protocol_is_refused(tmp_path, scripted, capl
     assert bench(tmp_path / "run", "--program", str(tmp_path / "hotpot.json")) == 2
     assert "maps ['question', 'context'] -> ['answer']" in caplog.text
     assert "saved from a gsm8k-aflow run" in caplog.text and not (tmp_path / "run").exists()
+
+
+def test_a_local_model_run_reports_how_full_its_decode_batches_were(tmp_path):
+    """With a local model the results carry the decode loop's counters (rows per step, compile seconds),
+    which is how a GPU scoring run shows whether its batches stayed full."""
+    from flowopt.benchmarks.perf.local_lm_cuda import build_model
+
+    model = build_model(tmp_path / "tiny", layers=1)
+    out = tmp_path / "run"
+    assert cli.main(["bench", "gsm8k-aflow", "--lm", str(model), "--program", "predict", "--stages", "none",
+                     "--test", "3", "--max-tokens", "4", "--threads", "3", "--lm-batch", "4", "--out", str(out),
+                     "--quiet"]) == 0
+    decode = json.loads((out / "results.json").read_text())["decode"]
+    assert decode["steps"] >= 3 and sum(decode["steps_by_rows"].values()) == decode["steps"]
+    assert 1 <= decode["mean_rows_per_step"] <= 4 and decode["eager_reason"] is None

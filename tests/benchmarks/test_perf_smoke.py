@@ -23,7 +23,7 @@ from flowopt.benchmarks.perf.harness import read_results
 PERF_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "perf"
 # Imported by scripts, not run.
 SHARED_MODULES = {"__init__", "lm_workload", "structure_families", "structure_sim_world", "structure_sim_report",
-                  "search_tasks"}
+                  "search_tasks", "search_generalisation_methods", "search_generalisation_report"}
 
 
 def _lm_throughput(r: dict[str, Any]) -> None:
@@ -138,6 +138,14 @@ def _local_lm_cuda(r: dict[str, Any]) -> None:
     assert r["batch_sizes"][-1] > 1  # the 8 concurrent callers were batched
 
 
+def _cuda_oom_check(r: dict[str, Any]) -> None:
+    if r["device"] == "cpu":  # no CUDA here: the check is skipped by name and the compile ran on the CPU
+        assert r["cuda_check"].startswith("CUDA is not available") and r["checks"] == {}
+        assert r["cpu_run"] == {"baseline_resumed": False, "stop_reason": "done"}
+    else:
+        assert r["checks"] and all(r["checks"].values()), r["checks"]
+
+
 def _decode_side_by_side(r: dict[str, Any]) -> None:
     assert set(r["rates"]) == {"1", "4"} and all(rate > 0 for c in r["rates"].values() for rate in c.values())
     # Greedy, same prompts and limit, both stop at EOS: LocalLM and generate produce the same number of tokens.
@@ -203,6 +211,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "serve_streaming": ((), _serve_streaming),
     "llama_cpp_throughput": (("llama_cpp",), _llama_cpp_throughput),
     "local_lm_cuda": ((), _local_lm_cuda),
+    "cuda_oom_check": ((), _cuda_oom_check),
     "runtime_ab": (("trl",), _runtime_ab),
     "weights_distributed": ((), _weights_distributed),
     "shared_search": (("psycopg",), _shared_search),  # and PostgreSQL's initdb (CI installs it)

@@ -193,3 +193,23 @@ def test_a_rejected_stages_output_is_saved_and_can_be_reloaded(tmp_path):
     rejected = saved_output(tmp_path / "run", 0, "test-shout", start)
     assert rejected is not None and rejected.signature.instructions.endswith("?")
     assert saved_output(tmp_path / "run", 1, "test-shout", start) is None  # no such stage
+
+
+def test_a_stage_the_budget_stopped_is_saved_unfinished_and_runs_again_on_resume(tmp_path):
+    """The budget ran out while the stage's output was validated: the output is readable (so ``flowopt
+    bench`` can score what the stage made) but the stage is not finished, so ``--resume`` runs it again."""
+    from flowopt.compiler import Budget, saved_output
+
+    start = dspy.Predict("question -> answer")
+    args = dict(valset=examples(3, 50), stages=[Shout(suffix="?")], run_dir=tmp_path / "run", quiet=True,
+                budget=Budget(max_lm_calls=4))  # the baseline's 3 calls fit; the output's 3 do not
+    with dspy.context(lm=demo_task_lm()):
+        first = flowopt.compile(start, examples(6), exact, **args)
+    row = first.report.stages[1]
+    assert row.stop_reason == "budget: max_lm_calls" and row.score is None and not row.kept
+    stopped = saved_output(tmp_path / "run", 0, "test-shout", start)
+    assert stopped is not None and stopped.signature.instructions.endswith("?")
+    with dspy.context(lm=demo_task_lm()):
+        again = flowopt.compile(start, examples(6), exact, resume=True, **args)
+    rerun = again.report.stages[1]
+    assert not rerun.resumed and rerun.score is not None  # run again: the baseline's calls were saved

@@ -72,7 +72,7 @@ def test_save_program_folder_is_read_by_dspy_load_and_flowopt_load(tmp_path, lm)
     globals_in_pickle = [arg for op, arg, _ in pickletools.genops((folder / "program.pkl").read_bytes())
                          if op.name in ("GLOBAL", "STACK_GLOBAL", "SHORT_BINUNICODE", "BINUNICODE")
                          and isinstance(arg, str) and len(arg) < 80]
-    assert globals_in_pickle == ["flowopt.program_files", "workflow_from_program_json"]
+    assert globals_in_pickle == ["flowopt.workflow", "workflow_from_program_json"]
     assert json.loads((folder / "metadata.json").read_text())["dependency_versions"]["dspy"] == dspy.__version__
 
 

@@ -74,3 +74,20 @@ def test_a_function_resolves_in_its_own_globals():
     """), namespace)
     hints = type_hints(namespace["build"])
     assert hints["k"] is int and hints["retriever"] is namespace["Retriever"] and hints["cache"] is Any
+
+
+def test_a_text_format_is_checked_and_described_with_a_sample():
+    from pathlib import Path
+
+    from flowopt.settings import matches
+
+    name = matches(r"^[a-z]+$", meaning="lower-case letters", sample="abc")
+    check_settings("Thing", {"tag": "abc", "folder": Path("abc")}, hints={"tag": str, "folder": Path},
+                   bounds={"tag": name, "folder": name})
+    with pytest.raises(ConfigError) as err:
+        check_settings("Thing", {"tag": "ab1"}, hints={"tag": str}, bounds={"tag": name})
+    assert str(err.value) == "Thing tag must be lower-case letters, got 'ab1' (str). Fix: pass tag='abc'"
+    with pytest.raises(ConfigError, match=r"Thing folder must be lower-case letters, got PosixPath\('A'\)"):
+        check_settings("Thing", {"folder": Path("A")}, hints={"folder": Path}, bounds={"folder": name})
+    with pytest.raises(ConfigError, match="got 3 \\(int\\)"):  # the type is checked first
+        check_settings("Thing", {"tag": 3}, hints={"tag": str}, bounds={"tag": name})

@@ -11,19 +11,23 @@ DiskFullError; it lists the files left in the run folder, deletes the ballast an
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "compiler"))
 
 
-def compile_task(run_dir: Path, *, resume: bool = False, latency_s: float = 0.0) -> str:
-    """The compile both fault workers run (demos, then a search), on a scripted LM; its canonical JSON.
+def compile_task(run_dir: Path, *, resume: bool = False, latency_s: float = 0.0, model: str = "scripted/fault-task",
+                 on_call: Callable[[int], None] | None = None) -> str:
+    """The compile the fault tests run (demos, then a search), on a scripted LM; its canonical JSON.
 
-    With ``$FLOWOPT_TEST_CALL_LOG`` set, every LM call appends a line there (the signal test's clock)."""
+    With ``$FLOWOPT_TEST_CALL_LOG`` set, every LM call appends a line there (the signal test's clock);
+    ``on_call(n)`` is called at the n-th call this process makes to ``model`` (DSPy caches by model name)."""
     import dspy
     from fakes import exact, examples, reverse_answer
 
@@ -33,17 +37,20 @@ def compile_task(run_dir: Path, *, resume: bool = False, latency_s: float = 0.0)
     from flowopt.testing import scripted_lm
 
     call_log = os.environ.get("FLOWOPT_TEST_CALL_LOG")
+    calls = itertools.count(1)
 
     def answer(req):
         if call_log:
             with open(call_log, "a") as log:
                 log.write("call\n")
+        if on_call is not None:
+            on_call(next(calls))
         q = req.inputs.get("question", "")
         cats = {str(d.get("question", "")).split(":")[0] for d in req.demos
                 if str(d.get("answer", "")).startswith("#")}
         return {"answer": reverse_answer(q) if q.split(":")[0] in cats else q}
 
-    lm = scripted_lm(answer, latency_s=latency_s, model="scripted/fault-task")
+    lm = scripted_lm(answer, latency_s=latency_s, model=model)
     stages = [("demos", {"max_labeled_demos": 4}),
               RandomSearch(n_candidates=8, seeded=3, max_demos=3, pool_size=6, parallel=2, max_labeled_demos=4)]
     with dspy.context(lm=lm):

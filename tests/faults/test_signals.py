@@ -1,9 +1,11 @@
 """SIGTERM and Ctrl-C (SIGINT) during a compile: a safe stop, a distinct exit status, and a resume equal to
 the uninterrupted run.
 
-The worker process (``signal_worker.py``) compiles demos then a search on a scripted LM; the test sends a
-real signal once the worker has made a given number of LM calls (the call log is the clock), checks the
-exit status (128 + signal) and the run folder, then resumes and compares with an uninterrupted run.
+In this process (the default suite): the scripted LM itself sends a real signal to the main thread at its
+n-th call, so it lands inside ``compile()``. In a worker process (``signal_worker.py``, slow suite: the
+same stop path, plus a process's exit status and start-up): the test sends the signal once the worker has
+made a given number of LM calls (the call log is the clock). Both compile demos then a search, check the
+run folder, then resume and compare with an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+
+from flowopt.errors import Interrupted
 
 WORKER = Path(__file__).with_name("signal_worker.py")
 
@@ -50,11 +56,48 @@ def reference(tmp_path_factory) -> tuple[str, int]:
 
 
 # The task's baseline makes 24 LM calls, the demos stage about 15, the search the rest.
-@pytest.mark.parametrize(("number", "after_calls", "where"), [
-    (signal.SIGTERM, 60, "search"), (signal.SIGINT, 5, "baseline"),
-])
+CASES = [(signal.SIGTERM, 60, "search"), (signal.SIGINT, 5, "baseline")]
+
+
+@pytest.mark.parametrize(("number", "at_call", "where"), CASES)
+def test_a_signal_in_process_stops_at_a_safe_point_and_resume_equals_the_uninterrupted_run(tmp_path, number,
+                                                                                          at_call, where):
+    from tests.faults.disk_full_worker import compile_task
+
+    model = f"scripted/fault-{uuid.uuid4().hex[:8]}"  # DSPy's disk cache is shared by the test session
+    calls = {"stopped": 0, "resumed": 0, "reference": 0}
+
+    def counted(run: str, signal_at: int = 0):
+        def on_call(n: int) -> None:
+            calls[run] = n
+            if n == signal_at:  # a real signal, to the thread Python runs handlers on
+                signal.pthread_kill(threading.main_thread().ident, number)
+        return on_call
+
+    run_dir, name, before = tmp_path / "run", signal.Signals(number).name, signal.getsignal(number)
+    with pytest.raises(Interrupted) as caught:
+        compile_task(run_dir, latency_s=0.005, model=model, on_call=counted("stopped", at_call))
+    assert caught.value.signal == name and caught.value.exit_code == 128 + number  # 143 / 130
+    assert f"compile stopped by {name} at a safe point" in str(caught.value) and "resume" in str(caught.value)
+    assert signal.getsignal(number) is before  # a signal after compile() behaves as without flowopt
+    for path in run_dir.rglob("*.json"):  # every file left is whole
+        json.loads(path.read_text())
+    demos_done = (run_dir / "stages" / "00-demos" / "output.json").exists()
+    assert demos_done == (where == "search")  # the demos stage finished before a signal in the search only
+    assert not (run_dir / "stages" / "01-search" / "output.json").exists()  # the search is not marked finished
+    resumed = compile_task(run_dir, resume=True, latency_s=0.005, model=model, on_call=counted("resumed"))
+    reference = compile_task(tmp_path / "reference", latency_s=0.005, model=f"{model}-reference",
+                             on_call=counted("reference"))
+    assert resumed == reference  # canonical JSON of the resumed run = the uninterrupted run's
+    assert calls["stopped"] + calls["resumed"] - calls["reference"] <= 2  # at most the calls in flight (2 threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("number", "after_calls", "where"), CASES)
 def test_a_signal_stops_at_a_safe_point_and_resume_equals_the_uninterrupted_run(reference, tmp_path, number,
                                                                                after_calls, where):
+    """In a worker process. Fast counterpart:
+    test_a_signal_in_process_stops_at_a_safe_point_and_resume_equals_the_uninterrupted_run."""
     run_dir = tmp_path / "run"
     code, output, program, stopped_calls = _run(tmp_path, "stopped", run_dir, signal_at=(number, after_calls))
     name = signal.Signals(number).name

@@ -20,6 +20,7 @@ from flowopt.lm.serve import create_app
 from flowopt.lm.serve_schema import MAX_BODY_BYTES
 from flowopt.lm.serve_stream import HeldBackText
 from flowopt.ports import free_port
+from tests.lm.conftest import serve_in_thread
 
 MSG = [{"role": "user", "content": "Question: hello there?"}]
 
@@ -28,18 +29,10 @@ MSG = [{"role": "user", "content": "Question: hello there?"}]
 def base_url(tiny_local):
     import uvicorn
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(tiny_local, model_name="tiny"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(timeout=10)
+    config = uvicorn.Config(create_app(tiny_local, model_name="tiny"), host="127.0.0.1", port=free_port(),
+                            log_level="warning")
+    with serve_in_thread(uvicorn.Server(config)) as base:
+        yield base
 
 
 @pytest.fixture

@@ -82,6 +82,22 @@ def test_instruction_candidates_from_a_proposer_lm():
     assert out.signature.instructions.startswith("Reverse the question")
 
 
+def test_no_instruction_proposals_when_every_candidate_is_seeded():
+    proposer = scripted_lm(lambda req: {"instruction": "Reverse the question and prefix it with #."},
+                           model="scripted/proposer-unused", cache=False)
+    # Every planned candidate seeded and no extras: no candidate can use a proposal, so none is paid for.
+    stage = RandomSearch(n_candidates=5, max_demos=2, max_labeled_demos=2, extra=0, proposer_lm=proposer,
+                         n_proposals=3, pruner="none")
+    assert not stage.may_sample()
+    out = _search(category_lm(), stage)
+    assert proposer.engine.calls == 0
+    assert out.report.stage("search").info["instruction_candidates"] == {"self": 1}
+    # One sampled candidate is enough to pay for them.
+    _search(category_lm(), RandomSearch(n_candidates=5, seeded=1, max_demos=2, max_labeled_demos=2, extra=0,
+                                        proposer_lm=proposer, n_proposals=3, pruner="none"))
+    assert proposer.engine.calls == 3
+
+
 def test_temperature_and_ensemble_n_are_searched_on_a_workflow():
     def answer(req):  # right only when sampled at temperature 0.3
         q = req.inputs.get("question", "")

@@ -131,6 +131,14 @@ def test_rollout_server_option_is_checked():
         GRPO(rollout_server="http://127.0.0.1:8000/v1")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="adapter_dir"):
         InferenceServer("http://127.0.0.1:8000/v1", adapter_dir="")
+    with pytest.raises(ConfigError, match=r"InferenceServer url must be an http\(s\)://HOST:PORT/v1 URL, got "
+                                          r"'127.0.0.1:8000/v1' \(str\)\. Fix: pass url='http://127.0.0.1:8000/v1'"):
+        InferenceServer("127.0.0.1:8000/v1", adapter_dir="adapters")
+    with pytest.raises(ConfigError, match=r"api_key_env must be the name of an environment variable.*'VLLM_API_KEY'"):
+        InferenceServer("http://127.0.0.1:8000/v1", adapter_dir="adapters", api_key_env="MY-KEY")
+    with pytest.raises(ConfigError, match="timeout_s must be a number > 0"):
+        InferenceServer("http://127.0.0.1:8000/v1", adapter_dir="adapters", timeout_s=0.0)
+    assert InferenceServer("https://rollouts.example:443/v1", adapter_dir=Path("a"), api_key_env="VLLM_API_KEY")
 
 
 def test_no_credentials_from_the_environment_unless_named(monkeypatch):
