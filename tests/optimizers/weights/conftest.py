@@ -41,6 +41,17 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
+def save_word_model(folder: Path, words: list[str] = WORDS) -> Path:
+    """The tiny word-level model over ``words`` (seed 0), saved to ``folder`` for code that loads a folder
+    (a served model, a LocalLM with a spec)."""
+    from flowopt.optimizers.weights.tiny import tiny_causal_lm
+
+    model, tokenizer = tiny_causal_lm(words, seed=0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
 def tiny_local():
     """A LocalLM over a fresh tiny random model (in memory)."""
@@ -75,12 +86,8 @@ def make_tiny_local():
 def tiny_saved_local(tmp_path: Path):
     """A LocalLM loaded from a folder, so its spec (the workflow's LM entry) can be written."""
     from flowopt.lm.local import LocalLM
-    from flowopt.optimizers.weights.tiny import tiny_causal_lm
 
-    model, tokenizer = tiny_causal_lm(WORDS, seed=0)
-    folder = tmp_path / "tiny-model"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = save_word_model(tmp_path / "tiny-model")
     local = LocalLM(str(folder), name="tiny", device="cpu", max_new_tokens=4, progress=False)
     yield local
     local.close()

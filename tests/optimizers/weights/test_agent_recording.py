@@ -27,13 +27,9 @@ WORDS = ["calculator", *plain_agent.OPERATIONS, *[str(n) for n in range(10)]]
 
 @pytest.fixture(scope="module")
 def agent_model_dir(tmp_path_factory) -> Path:
-    from flowopt.optimizers.weights.tiny import tiny_causal_lm
+    from tests.optimizers.weights.conftest import save_word_model
 
-    model, tokenizer = tiny_causal_lm(WORDS, seed=0)
-    folder = tmp_path_factory.mktemp("agent-model") / "tiny"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_word_model(tmp_path_factory.mktemp("agent-model") / "tiny", WORDS)
 
 
 @pytest.fixture(scope="module")

@@ -26,14 +26,9 @@ LORA = LoraSettings(r=4, alpha=8)
 @pytest.fixture(scope="module")
 def word_model_dir(tmp_path_factory) -> Path:
     """The tiny word-level model of the cue -> word task, saved (the server loads it from the folder)."""
-    from flowopt.optimizers.weights.tiny import tiny_causal_lm
-    from tests.optimizers.weights.conftest import WORDS
+    from tests.optimizers.weights.conftest import save_word_model
 
-    model, tokenizer = tiny_causal_lm(WORDS, seed=0)
-    folder = tmp_path_factory.mktemp("word-model") / "tiny"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_word_model(tmp_path_factory.mktemp("word-model") / "tiny")
 
 
 @pytest.fixture(scope="module")
