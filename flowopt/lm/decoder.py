@@ -111,6 +111,7 @@ class Decoder:
         self._parts: tuple[Any, Halves] | None = None
         self._compiled: Any = None
         self._shapes: set[tuple[int, int]] = set()
+        self._graph_threads: set[int] = set()  # threads given their CUDA-graph tree state
 
     @property
     def device(self) -> torch.device:
@@ -223,8 +224,9 @@ class Decoder:
         first = shape not in self._shapes
         began = time.perf_counter()
         try:
-            if self.device.type == "cuda":
-                cuda_graph_thread_state()
+            if self.device.type == "cuda" and threading.get_ident() not in self._graph_threads:
+                cuda_graph_thread_state()  # once per thread, not on every step
+                self._graph_threads.add(threading.get_ident())
             logits = self._compiled_step()(parts, view, ids, positions, mask)
         except Exception as exc:  # any compiler failure: decode eagerly, and say so once
             _compile_failure.append(f"{type(exc).__name__}: {exc}")
