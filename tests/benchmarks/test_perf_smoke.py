@@ -106,6 +106,11 @@ def _grpo_throughput(r: dict[str, Any]) -> None:
     assert set(r["runs"]) == {"flowopt", "stage", "trl-nockpt"}
     assert all(run["median_step_s"] > 0 for run in r["runs"].values())
     assert set(r["flowopt_vs_trl"]) == {"flowopt vs trl-nockpt", "stage vs trl-nockpt"}
+    for impl in ("flowopt", "trl-nockpt"):  # each step split into rollout and update (one timed step: they add up)
+        run = r["runs"][impl]
+        assert run["median_rollout_s"] > 0 and run["median_update_s"] > 0
+        assert run["median_rollout_s"] + run["median_update_s"] == pytest.approx(run["median_step_s"], rel=1e-3)
+    assert r["runs"]["flowopt"]["compile_s_per_run"] == [0.0]  # on CPU LocalLM decodes eagerly by default
 
 
 def _runtime_ab(r: dict[str, Any]) -> None:
