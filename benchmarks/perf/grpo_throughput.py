@@ -27,6 +27,8 @@ included, on a GPU machine too), and TRL (``pip install -e ".[bench]"``) for the
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import logging
 import random
 import statistics
@@ -57,7 +59,7 @@ def build_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """Fresh weights, identical for every call (seeded)."""
     import torch
 
-    from flowopt.optimizers.weights.tiny import tiny_causal_lm, word_tokenizer
+    from flowopt.optimizers.weights.tiny import tiny_causal_lm
 
     words = [*cue_word.COLORS, *cue_word.ANIMALS, *cue_word.NOISE, *LABELS]
     if args.model == "tiny":
@@ -65,9 +67,7 @@ def build_model(args: argparse.Namespace) -> tuple[Any, Any]:
     else:  # Gemma 3 270M's shape with random weights: the real work of a 270M step, no download
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-        vocab = 262144
-        filler = [f"w{i}" for i in range(vocab)]
-        tokenizer = word_tokenizer(words + filler[: vocab - len(words) - 20])
+        tokenizer = copy.deepcopy(_gemma_shaped_tokenizer(tuple(words)))  # each run may change its own
         config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=640, intermediate_size=2048,
                                   num_hidden_layers=args.gemma_layers, num_attention_heads=4, num_key_value_heads=1,
                                   head_dim=256,
@@ -81,6 +81,16 @@ def build_model(args: argparse.Namespace) -> tuple[Any, Any]:
     model = model.to(device=args.device, dtype=dtype).eval()
     tokenizer.padding_side = "left"
     return model, tokenizer
+
+
+@functools.cache
+def _gemma_shaped_tokenizer(words: tuple[str, ...]) -> Any:
+    """A word-level tokenizer of Gemma 3's vocabulary size (262,144), built once per process (seconds)."""
+    from flowopt.optimizers.weights.tiny import word_tokenizer
+
+    vocab = 262144
+    filler = [f"w{i}" for i in range(vocab)]
+    return word_tokenizer([*words, *filler[: vocab - len(words) - 20]])
 
 
 def examples(n: int) -> list[dict[str, str]]:
@@ -210,6 +220,11 @@ def run_flowopt(args: argparse.Namespace, checkpointing: bool = False) -> dict[s
     return {"step_s": times, "phase_s": phases, "completion_tokens": tokens, "peak_gib": _max_peak(clock.peaks),
             "phase_peak_gib": clock.peaks, "compile_s": round(sum(stats["compile_seconds"].values()), 2),
             "compiled_shapes": stats["compile_seconds"], "eager_reason": stats["eager_reason"]}
+
+
+def _phase_medians(run: dict[str, Any], phase: str) -> str:
+    values = [p[phase] for p in run.get("phase_s", []) if phase in p]
+    return f"{statistics.median(values):.3f}" if values else "-"
 
 
 def _cell(value: Any, spec: str) -> str:
@@ -400,8 +415,13 @@ def main(argv: list[str] | None = None) -> int:
         for impl in impls:
             started = time.perf_counter()
             runs[impl].append(RUNNERS[impl](args))
-            logger.info("round %d/%d %s: median step %.3fs (%.0fs total)", repeat + 1, args.repeats, impl,
-                        statistics.median(runs[impl][-1]["step_s"]), time.perf_counter() - started)
+            done = runs[impl][-1]
+            # Each run's figures in the log as it ends: a run cut short by a time limit still tells them.
+            logger.info("round %d/%d %s: median step %.3fs (rollout %s s, update %s s), peak GPU %s GiB "
+                        "(rollout / update %s), compile %s s (%.0fs total)", repeat + 1, args.repeats, impl,
+                        statistics.median(done["step_s"]), _phase_medians(done, "rollout"),
+                        _phase_medians(done, "update"), done["peak_gib"], done.get("phase_peak_gib"),
+                        done.get("compile_s", "-"), time.perf_counter() - started)
     results = {impl: summarise(r) for impl, r in runs.items()}
     write(run, results, trl_version)
     return 0

@@ -18,7 +18,8 @@ from flowopt.optimizers.weights.policy import LoraSettings, Policy
 def _items(policy: Policy, n: int = 12) -> list[ScoredTransition]:
     prompt = policy.render([{"role": "user", "content": "cue : red word :"}])
     rows = [RowSettings(max_new_tokens=4, temperature=1.0, logprobs=True)] * n
-    out = policy.local.sample_ids([prompt] * n, rows, adapter=policy.adapter, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    out = policy.local.sample_ids([prompt] * n, rows, adapter=policy.adapter, generator=gen)
     return [ScoredTransition(prompt, o.completion_ids, o.logprobs.tolist(), 1.0 if i % 3 else -1.0)
             for i, o in enumerate(out)]
 
