@@ -163,6 +163,12 @@ class GRPOLearner:
         self.gradient_checkpointing = s.gradient_checkpointing
         self.reference_adapter = s.reference_adapter  # None: the base model (adapter disabled)
         self.params = policy.trainable_parameters()
+        if self.gradient_checkpointing:
+            # Switching checkpointing on and off leaves attributes on the model's layers that a compiled decode
+            # step's guards check; settle them before the first rollout, so a step captured then still matches
+            # after every update (instead of recompiling once, for seconds to a minute on a GPU).
+            with policy.lock, policy.training(gradient_checkpointing=True):
+                pass
         self.optimizer, self.scheduler = make_optimizer(
             self.params, lr=s.learning_rate, weight_decay=s.weight_decay,
             total_steps=total_steps * s.passes, warmup=s.warmup_steps, schedule=s.lr_schedule)  # type: ignore[arg-type]

@@ -105,3 +105,22 @@ def test_grpo_stage_rejects_a_micro_batch_tokens_below_one(bad):
 
     with pytest.raises(ConfigError, match="micro_batch_tokens"):
         GRPO(micro_batch_tokens=bad)
+
+
+def _checkpointing_state(policy: Policy) -> tuple[int, list[object]]:
+    """What a compiled decode step's guards see of gradient checkpointing: the embeddings' forward hooks and
+    each layer's own ``gradient_checkpointing`` attribute."""
+    base = policy.local.base_model
+    layers = base.get_decoder().layers
+    hooks = len(base.get_input_embeddings()._forward_hooks)
+    return hooks, [layer.__dict__.get("gradient_checkpointing", "unset") for layer in layers]
+
+
+def test_checkpointed_updates_leave_the_model_as_the_first_rollout_saw_it(tiny_local):
+    policy = Policy(tiny_local, lora=LoraSettings(r=4, alpha=8))
+    policy.start_adapter("ckpt")
+    learner = GRPOLearner(policy, total_steps=3, learning_rate=1e-2, gradient_checkpointing=True)
+    before = _checkpointing_state(policy)  # the model as the first rollout decodes with it
+    for _ in range(3):
+        learner.update(_items(policy, n=4))
+    assert _checkpointing_state(policy) == before == (0, [False] * len(before[1]))  # no hook piled up per update
