@@ -156,23 +156,13 @@ def test_udp_to_a_host_port_sends_nothing():
             server.recvfrom(16)
 
 
-def test_unix_socket_on_the_host_file_system_is_unreachable(tmp_path):
-    path = str(tmp_path / "host.sock")
+@pytest.mark.parametrize("where", ["file-system", "abstract"])
+def test_a_unix_socket_on_the_host_is_unreachable(where, tmp_path):
+    address = str(tmp_path / "host.sock") if where == "file-system" else f"\0flowopt-test-{uuid.uuid4().hex}"
     with socket.socket(socket.AF_UNIX) as server:
-        server.bind(path)
+        server.bind(address)
         server.listen(1)
         accepted = _accepting(server)
-        result = run(f"import socket\nsocket.socket(socket.AF_UNIX).connect({path!r})\nprint('connected')")
-        time.sleep(0.2)
-    assert "connected" not in result.stdout and accepted == []
-
-
-def test_abstract_unix_socket_on_the_host_is_unreachable():
-    name = f"\0flowopt-test-{uuid.uuid4().hex}"
-    with socket.socket(socket.AF_UNIX) as server:
-        server.bind(name)
-        server.listen(1)
-        accepted = _accepting(server)
-        result = run(f"import socket\nsocket.socket(socket.AF_UNIX).connect({name!r})\nprint('connected')")
+        result = run(f"import socket\nsocket.socket(socket.AF_UNIX).connect({address!r})\nprint('connected')")
         time.sleep(0.2)
     assert "connected" not in result.stdout and accepted == []
