@@ -2,6 +2,7 @@
 function over 80 lines, and no private name (``_x``) of one project module used by another outside tests."""
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -9,6 +10,11 @@ SOURCE_FOLDERS = ("flowopt", "modules", "optimizers", "benchmarks")
 PROJECT_PACKAGES = ("flowopt",)  # what the four folders import as (flowopt, flowopt.modules, ...)
 MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 80
+
+
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
 
 
 def python_files(folders: tuple[str, ...]) -> list[Path]:
@@ -23,7 +29,7 @@ def long_files(paths: list[Path], limit: int = MAX_FILE_LINES, root: Path = ROOT
 def long_functions(paths: list[Path], limit: int = MAX_FUNCTION_LINES, root: Path = ROOT) -> list[str]:
     found = []
     for path in paths:
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = (node.end_lineno or node.lineno) - node.lineno + 1
                 if lines > limit:
@@ -58,11 +64,15 @@ def _own_object(node: ast.expr) -> bool:
 def private_reach_ins(paths: list[Path], root: Path = ROOT) -> list[str]:
     """Uses in one module of a private name another project module defines, and imports of private names or
     private modules from the project (third-party private names, such as ``torch._dynamo``, are not counted)."""
-    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in paths}
+    trees = {path: parsed(path) for path in paths}
     defined = {path: defined_private_names(tree) for path, tree in trees.items()}
+    defined_in: dict[str, set[Path]] = {}
+    for path, names in defined.items():
+        for name in names:
+            defined_in.setdefault(name, set()).add(path)
     found = []
     for path, tree in trees.items():
-        elsewhere = set().union(*(names for other, names in defined.items() if other != path)) - defined[path]
+        elsewhere = {name for name, owners in defined_in.items() if path not in owners}
         where = path.relative_to(root)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PROJECT_PACKAGES:
