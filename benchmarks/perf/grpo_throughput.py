@@ -193,7 +193,8 @@ def run_flowopt(args: argparse.Namespace, checkpointing: bool = False) -> dict[s
                           temperature=1.0, gradient_checkpointing=checkpointing)
     data = examples(args.batch * total)
     gen = torch.Generator(device=policy.device).manual_seed(0)
-    times, tokens, phases = [], [], []
+    times, tokens, phases, warmup = [], [], [], []
+    graphs = _compiled_graphs()
     clock = PhaseClock(args.device)
     for step in range(total):
         clock.start()
@@ -215,11 +216,21 @@ def run_flowopt(args: argparse.Namespace, checkpointing: bool = False) -> dict[s
             times.append(sum(seconds.values()))
             phases.append(seconds)
             tokens.append(sum(len(o.completion_ids) for o in out))
+        else:
+            warmup.append(round(sum(seconds.values()), 3))
     stats = local.decode_stats.summary()
     local.close()
     return {"step_s": times, "phase_s": phases, "completion_tokens": tokens, "peak_gib": _max_peak(clock.peaks),
             "phase_peak_gib": clock.peaks, "compile_s": round(sum(stats["compile_seconds"].values()), 2),
-            "compiled_shapes": stats["compile_seconds"], "eager_reason": stats["eager_reason"]}
+            "compiled_shapes": stats["compile_seconds"], "eager_reason": stats["eager_reason"],
+            # every graph torch.compile made in this run (recompiles too), and the untimed steps that paid for them
+            "compiled_graphs": _compiled_graphs() - graphs, "warmup_step_s": warmup}
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _phase_medians(run: dict[str, Any], phase: str) -> str:
@@ -369,6 +380,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["compile_s_per_run"] = [r.get("compile_s") for r in runs]
         out["compiled_shapes"] = [r.get("compiled_shapes") for r in runs]
         out["eager_reason"] = next((r["eager_reason"] for r in runs if r.get("eager_reason")), None)
+        out["compiled_graphs_per_run"] = [r.get("compiled_graphs") for r in runs]
+        out["warmup_step_s_per_run"] = [r.get("warmup_step_s") for r in runs]
     return out
 
 
