@@ -22,7 +22,8 @@ from flowopt.benchmarks.perf.harness import read_results
 
 PERF_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "perf"
 # Imported by scripts, not run.
-SHARED_MODULES = {"__init__", "lm_workload", "structure_families", "structure_sim_world", "structure_sim_report",
+SHARED_MODULES = {"__init__", "lm_workload", "grpo_throughput_report", "structure_families", "structure_sim_world",
+                  "structure_sim_report",
                   "search_tasks", "search_generalisation_methods", "search_generalisation_report"}
 
 
