@@ -55,17 +55,23 @@ def mixed_precision(model: Any) -> Iterator[None]:
     """
     import torch
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    dtype = next(base.parameters()).dtype
-    trainable = [p.dtype for p in model.parameters() if p.requires_grad]
-    if dtype not in (torch.bfloat16, torch.float16) or torch.float32 not in trainable:
+    if not _half_precision_with_float32_adapter(model):
         yield
         return
     from peft.helpers import disable_input_dtype_casting
 
-    device = next(base.parameters()).device.type
-    with torch.autocast(device, dtype=dtype), disable_input_dtype_casting(model):
+    first = next((model.get_base_model() if hasattr(model, "get_base_model") else model).parameters())
+    with torch.autocast(first.device.type, dtype=first.dtype), disable_input_dtype_casting(model):
         yield
+
+
+def _half_precision_with_float32_adapter(model: Any) -> bool:
+    import torch
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if next(base.parameters()).dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return any(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
 
 
 @dataclass
@@ -163,6 +169,7 @@ class GRPOLearner:
         self.gradient_checkpointing = s.gradient_checkpointing
         self.reference_adapter = s.reference_adapter  # None: the base model (adapter disabled)
         self.params = policy.trainable_parameters()
+        self.autocast = _half_precision_with_float32_adapter(policy.model)
         if self.gradient_checkpointing:
             # Switching checkpointing on and off leaves attributes on the model's layers that a compiled decode
             # step's guards check; settle them before the first rollout, so a step captured then still matches
@@ -227,7 +234,8 @@ class GRPOLearner:
                 with torch.no_grad(), policy.reference(self.reference_adapter):
                     for m in micros:
                         m.ref = completion_logprobs(model, m.batch, self.temperature)
-            with policy.training(gradient_checkpointing=self.gradient_checkpointing), mixed_precision(model):
+            precision = mixed_precision(model) if self.autocast else contextlib.nullcontext()
+            with policy.training(gradient_checkpointing=self.gradient_checkpointing), precision:
                 for _ in range(self.passes):
                     self.optimizer.zero_grad(set_to_none=True)
                     loss_sum = clip_low = clip_high = kl_sum = 0.0
