@@ -118,7 +118,9 @@ def run_method(name: str, task: Task, threads: int, calls_of: dict[str, int]) ->
             "val": round(task.score(out, task.val)["realised"], 6), **info}
 
 
-def run_seed(job: tuple[int, str], args: Any) -> dict[str, Any]:
+def run_seed(job: tuple[int, str], args: Any, logged: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Every one of ``args.methods`` on one seed; those in ``logged`` (this seed's rows from the seeds log)
+    are taken from it, not run again."""
     seed, shape = job
     logging.disable(logging.WARNING)
     task = Task(seed, args.train, args.val, args.test, shape=shape)
@@ -126,9 +128,10 @@ def run_seed(job: tuple[int, str], args: Any) -> dict[str, Any]:
     # DSPy's optimizers print their progress (print and tqdm): kept out of the benchmark's own log.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         for name in args.methods:  # the peers first: the budgeted rows take their calls
-            rows[name] = run_method(name, task, args.threads, {k: v["lm_calls"] for k, v in rows.items()})
+            done = (logged or {}).get(name)
+            rows[name] = done if done is not None else run_method(
+                name, task, args.threads, {k: v["lm_calls"] for k, v in rows.items()})
     return {"seed": seed, "shape": shape, "rows": rows}
-
 
 
 
@@ -206,13 +209,17 @@ def body(summary: dict[str, Any], args: Any) -> list[str]:
     return lines
 
 
-def _logged(path: Path | None, jobs: list[tuple[int, str]], methods: list[str]) -> list[dict[str, Any]]:
-    """The seeds of ``jobs`` already finished in the JSON-lines file at ``path``, with every one of ``methods``."""
+def _logged(path: Path | None, jobs: list[tuple[int, str]]) -> dict[tuple[int, str], dict[str, dict[str, Any]]]:
+    """The rows of the seeds of ``jobs`` already in the JSON-lines file at ``path``, by method (a later
+    line of a seed adds to or replaces an earlier one's): the methods a seed has there are not run again."""
+    out: dict[tuple[int, str], dict[str, dict[str, Any]]] = {}
     if path is None or not path.exists():
-        return []
+        return out
     wanted = set(jobs)
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if (r["seed"], r["shape"]) in wanted and set(methods) <= set(r["rows"])]
+    for line in path.read_text().splitlines():
+        if line.strip() and ((r := json.loads(line))["seed"], r["shape"]) in wanted:
+            out.setdefault((r["seed"], r["shape"]), {}).update(r["rows"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,18 +234,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--test", type=int, default=300)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--seeds-log", type=Path, default=None,
-                        help="append each finished seed to this JSON-lines file; seeds already there are not run "
-                             "again (a run stopped early goes on from it)")
+                        help="append each finished seed to this JSON-lines file; the methods a seed has there are "
+                             "not run again (a run stopped early goes on from it; a new method joins an earlier run)")
     run = start_run(parser, argv)
     args = run.args
     args.methods = [m for m in METHODS if m in args.methods]  # peers before the rows that read their calls
     log = logging.getLogger("search_defaults")
     jobs = [(SHAPES.index(shape) + 3 * i, shape) for i in range(args.first_seed, args.first_seed + args.seeds)
             for shape in args.shapes]
-    results = _logged(args.seeds_log, jobs, args.methods)
-    todo = [job for job in jobs if (job[0], job[1]) not in {(r["seed"], r["shape"]) for r in results}]
+    logged = _logged(args.seeds_log, jobs)
+    done = [job for job in jobs if set(args.methods) <= set(logged.get(job, {}))]
+    results = [{"seed": seed, "shape": shape, "rows": {m: logged[seed, shape][m] for m in args.methods}}
+               for seed, shape in done]
+    todo = [job for job in jobs if job not in done]
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        for res in pool.map(run_seed, todo, [args] * len(todo)):
+        for res in pool.map(run_seed, todo, [args] * len(todo), [logged.get(job) for job in todo]):
             results.append(res)
             if args.seeds_log is not None:
                 with args.seeds_log.open("a") as log_file:
