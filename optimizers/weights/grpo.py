@@ -248,7 +248,7 @@ class GRPO(Stage):
         ctx.record(**info)
         return program
 
-    def _step(self, step: int, program: dspy.Module, ctx: Any, policy: Policy, learner: GRPOLearner,
+    def _step(self, step: int, program: dspy.Module, ctx: StageContext, policy: Policy, learner: GRPOLearner,
               adapter: Any, pool: ThreadPoolExecutor, world: World,
               served: ServedRollouts | None = None, agents: AgentRollouts | None = None) -> dict[str, Any]:
         import torch
@@ -337,7 +337,7 @@ class GRPO(Stage):
             resume_note=saved)
 
     # ------------------------------------------------------------------ checkpoints
-    def _checkpoint(self, ctx: Any, policy: Policy, learner: GRPOLearner, curve: list[dict[str, Any]],
+    def _checkpoint(self, ctx: StageContext, policy: Policy, learner: GRPOLearner, curve: list[dict[str, Any]],
                     step: int, world: World) -> None:
         """Rank 0 writes the checkpoint (every rank holds the same adapter and optimizer state)."""
         if ctx.run_dir is None or not world.is_main:
@@ -360,7 +360,7 @@ class GRPO(Stage):
             if old.name != folder.name:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def _resume(self, ctx: Any, policy: Policy, learner: GRPOLearner, curve: list[dict[str, Any]]) -> int:
+    def _resume(self, ctx: StageContext, policy: Policy, learner: GRPOLearner, curve: list[dict[str, Any]]) -> int:
         state = ctx.load_checkpoint("grpo")
         if not state or ctx.run_dir is None:
             return 0
