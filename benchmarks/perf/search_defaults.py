@@ -209,7 +209,7 @@ def body(summary: dict[str, Any], args: Any) -> list[str]:
     return lines
 
 
-def _logged(path: Path | None, jobs: list[tuple[int, str]]) -> dict[tuple[int, str], dict[str, dict[str, Any]]]:
+def logged_rows(path: Path | None, jobs: list[tuple[int, str]]) -> dict[tuple[int, str], dict[str, dict[str, Any]]]:
     """The rows of the seeds of ``jobs`` already in the JSON-lines file at ``path``, by method (a later
     line of a seed adds to or replaces an earlier one's): the methods a seed has there are not run again."""
     out: dict[tuple[int, str], dict[str, dict[str, Any]]] = {}
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("search_defaults")
     jobs = [(SHAPES.index(shape) + 3 * i, shape) for i in range(args.first_seed, args.first_seed + args.seeds)
             for shape in args.shapes]
-    logged = _logged(args.seeds_log, jobs)
+    logged = logged_rows(args.seeds_log, jobs)
     done = [job for job in jobs if set(args.methods) <= set(logged.get(job, {}))]
     results = [{"seed": seed, "shape": shape, "rows": {m: logged[seed, shape][m] for m in args.methods}}
                for seed, shape in done]
