@@ -115,6 +115,23 @@ class OutOfMemoryError(FlowoptError):
         super().__init__(problem, fix=fix)
 
 
+class NonFiniteGradientError(FlowoptError):
+    """A weights stage's gradient norm was NaN or infinite on ``steps`` consecutive steps, each skipped.
+
+    The weights are those of the last finite step; ``settings`` are the ones to change.
+
+    Example:
+        >>> err = NonFiniteGradientError("grpo: NaN gradient norm 3 times", steps=3, settings={"learning_rate": 5e-5})
+        >>> err.steps, err.settings
+        (3, {'learning_rate': 5e-05})
+    """
+
+    def __init__(self, problem: str, *, steps: int, settings: dict[str, object], fix: str | None = None) -> None:
+        self.steps = steps
+        self.settings = dict(settings)
+        super().__init__(problem, fix=fix)
+
+
 class Interrupted(FlowoptError):
     """SIGINT or SIGTERM stopped a run at a safe point; ``exit_code`` is the shell's ``128 + signal``.
 

@@ -14,7 +14,8 @@ later passes compare with it. The gap between the two is reported (``sampler_log
 
 With several processes (``world``) each rank updates on its share of the rollouts: the weights use
 the whole batch's token and rollout counts, the gradients are summed across ranks before clipping, and
-the reported numbers are the whole batch's.
+the reported numbers are the whole batch's. A pass whose gradient norm is NaN or infinite takes no step
+(:class:`~flowopt.optimizers.weights.optim.StepGuard`; ``nonfinite_grad`` in the stats and the curve).
 
 Memory: a micro-batch holds at most ``micro_batch_size`` sequences and ``micro_batch_tokens`` padded
 positions (the training forward keeps activations for each until its backward pass). A model in bf16 or
@@ -29,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +38,7 @@ from flowopt.lm.packing import PackedBatch, micro_batches, pack
 from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.distributed import SINGLE, World
 from flowopt.optimizers.weights.loss import aggregate, sequence_weights, token_loss
-from flowopt.optimizers.weights.optim import make_optimizer
+from flowopt.optimizers.weights.optim import StepGuard, count_skipped_step, make_optimizer
 from flowopt.optimizers.weights.policy import Policy
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,8 @@ class UpdateStats:
     transitions: int = 0
     tokens: int = 0
     sampler_logprob_gap: float = 0.0  # mean |sampler log-prob - training-forward log-prob| per token
-    skipped: bool = False
+    skipped: bool = False  # no step: nothing to learn in the batch
+    nonfinite_grad: bool = False  # a pass's gradient norm was NaN/inf: that pass's step was skipped
 
 
 @dataclass
@@ -179,6 +180,9 @@ class GRPOLearner:
         self.optimizer, self.scheduler = make_optimizer(
             self.params, lr=s.learning_rate, weight_decay=s.weight_decay,
             total_steps=total_steps * s.passes, warmup=s.warmup_steps, schedule=s.lr_schedule)  # type: ignore[arg-type]
+        self.guard = StepGuard("grpo", world=world, settings={
+            "learning_rate": s.learning_rate, "max_grad_norm": s.max_grad_norm,
+            "gradient_checkpointing": s.gradient_checkpointing})
 
     def _micro_batches(self, items: Sequence[ScoredTransition], batch_tokens: int,
                        batch_rollouts: int) -> list[_Micro]:
@@ -208,7 +212,9 @@ class GRPOLearner:
 
     def update(self, items: Sequence[ScoredTransition]) -> UpdateStats:
         """Run ``passes`` optimizer steps on ``items`` (this rank's share); skipped (no step) when there is
-        nothing to learn in the whole batch."""
+        nothing to learn in the whole batch. A pass whose gradient norm is not finite takes no step
+        (``nonfinite_grad``); :class:`~flowopt.errors.NonFiniteGradientError` after ``NONFINITE_LIMIT`` such updates
+        in a row."""
         import torch
 
         world = self.world
@@ -220,11 +226,10 @@ class GRPOLearner:
         if not n_learnable:
             # Every advantage is 0 and there is no KL term: the loss and its gradient are exactly 0.
             stats.skipped = True
-            with warnings.catch_warnings():  # the schedule counts steps, taken or skipped
-                warnings.simplefilter("ignore", UserWarning)
-                for _ in range(self.passes):
-                    self.scheduler.step()
+            for _ in range(self.passes):
+                count_skipped_step(self.scheduler)
             return stats
+        update = self.scheduler.last_epoch // self.passes + 1  # this update's number (1-based), for the warning
         policy = self.policy
         micros = self._micro_batches(items, stats.tokens, int(n_rollouts))
         total_tokens = stats.tokens
@@ -256,8 +261,8 @@ class GRPOLearner:
                             kl_sum += float((tl.kl * mask).sum())
                     world.sum_gradients(self.params)
                     norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or float("inf"))
-                    self.optimizer.step()
-                    self.scheduler.step()
+                    if not self.guard.step(norm, self.optimizer, self.scheduler):
+                        stats.nonfinite_grad = True
                     loss_sum, clip_low, clip_high, kl_sum = world.sum_floats([loss_sum, clip_low, clip_high, kl_sum])
                     stats.loss, stats.grad_norm = loss_sum, float(norm)
                     stats.clip_low, stats.clip_high = clip_low / total_tokens, clip_high / total_tokens
@@ -265,6 +270,7 @@ class GRPOLearner:
             self.optimizer.zero_grad(set_to_none=True)
             policy.weights_changed()
         stats.sampler_logprob_gap = world.sum_floats([stats.sampler_logprob_gap])[0]
+        self.guard.record(not stats.nonfinite_grad, f"update {update}")
         return stats
 
     def state_dict(self) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter
 from flowopt.optimizers.weights.distributed import SINGLE, World, agree_on_budget, current_world
 from flowopt.optimizers.weights.memory import out_of_memory_errors
-from flowopt.optimizers.weights.optim import SCHEDULES, make_optimizer
+from flowopt.optimizers.weights.optim import SCHEDULES, StepGuard, make_optimizer
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
 from flowopt.optimizers.weights.traces import TraceStats, label_pairs, teacher_pairs
 from flowopt.settings import above, at_least, check_stage, one_of
@@ -69,6 +69,9 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
                                           schedule=lr_schedule)  # type: ignore[arg-type]
     rng = random.Random(seed)
     losses: list[float] = []
+    guard = StepGuard("finetune", world=world, settings={  # a NaN/inf gradient norm: no step, the weights kept
+        "learning_rate": learning_rate, "max_grad_norm": max_grad_norm,
+        "gradient_checkpointing": gradient_checkpointing})
     model = policy.model
     with policy.lock, policy.training(gradient_checkpointing=gradient_checkpointing):
         try:
@@ -91,9 +94,8 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
                         step_loss += float(loss.detach())
                     world.sum_gradients(policy.trainable_parameters())
                     step_loss = world.sum_floats([step_loss])[0]
-                    torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), max_grad_norm or float("inf"))
-                    optimizer.step()
-                    scheduler.step()
+                    norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), max_grad_norm or float("inf"))
+                    guard.record(guard.step(norm, optimizer, scheduler), f"step {len(losses) + 1}")
                     losses.append(step_loss)
                     if on_step is not None:
                         on_step(step_loss)
