@@ -24,6 +24,7 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
+from flowopt.lm.allocator import release_freed_memory
 from flowopt.lm.packing import micro_batches, pack
 from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter
@@ -94,11 +95,15 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
                     torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), max_grad_norm or float("inf"))
                     optimizer.step()
                     scheduler.step()
+                    # The step's activations are freed, but glibc keeps their pages resident unless asked
+                    # (flowopt.lm.allocator); the next step faults in what it needs, a small cost.
+                    release_freed_memory()
                     losses.append(step_loss)
                     if on_step is not None:
                         on_step(step_loss)
         finally:
             optimizer.zero_grad(set_to_none=True)
+            release_freed_memory()  # what a failed step allocated, too: scoring runs on another thread's arena
         policy.weights_changed()
     return losses
 
