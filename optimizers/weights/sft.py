@@ -25,7 +25,7 @@ import dspy
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.lm.allocator import release_freed_memory
-from flowopt.lm.packing import micro_batches, pack
+from flowopt.lm.packing import micro_batches, pack, padded_length
 from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter
 from flowopt.optimizers.weights.distributed import SINGLE, World, agree_on_budget, current_world
@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 #: Padded positions per training micro-batch: about 1.1 GB of activations on Gemma 3 270M (bf16 base, float32
 #: LoRA), so the README's finetune peaks near 3 GB of RSS instead of 10 (benchmarks/results/main_command.md).
 DEFAULT_MICRO_BATCH_TOKENS = 768
+#: Micro-batch widths are padded to a multiple of this, so that a few shapes repeat across the steps: on CPU each
+#: new shape costs a oneDNN kernel build and its cached memory (benchmarks/results/main_command.md).
+WIDTH_MULTIPLE = 64
 
 
 def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, epochs: int = 3,
@@ -82,10 +85,11 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
                     mine = [batch[i] for i in world.share(len(batch))]
                     optimizer.zero_grad(set_to_none=True)
                     step_loss = 0.0
-                    lengths = [len(p) + len(c) for p, c in mine]
+                    lengths = [padded_length(len(p) + len(c), WIDTH_MULTIPLE) for p, c in mine]
                     for rows in micro_batches(lengths, max_rows=micro_batch_size, max_tokens=micro_batch_tokens):
                         micro = [mine[i] for i in rows]
-                        packed = pack([p for p, _ in micro], [c for _, c in micro], policy.pad_id).to(policy.device)
+                        packed = pack([p for p, _ in micro], [c for _, c in micro], policy.pad_id,
+                                      pad_to_multiple_of=WIDTH_MULTIPLE).to(policy.device)
                         logps = completion_logprobs(model, packed)
                         loss = -(logps * packed.completion_mask).sum() / total_tokens
                         loss.backward()
