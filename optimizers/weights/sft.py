@@ -38,7 +38,7 @@ from flowopt.settings import above, at_least, check_stage, one_of
 logger = logging.getLogger(__name__)
 
 #: Padded positions per training micro-batch: about 1.1 GB of activations on Gemma 3 270M (bf16 base, float32
-#: LoRA), so the README's finetune peaks near 3 GB of RSS instead of 10 (benchmarks/results/main_command.md).
+#: LoRA); unbounded, the README's finetune peaked at 10 GB of RSS (benchmarks/results/main_command.md).
 DEFAULT_MICRO_BATCH_TOKENS = 768
 #: Micro-batch widths are padded to a multiple of this, so that a few shapes repeat across the steps: on CPU each
 #: new shape costs a oneDNN kernel build and its cached memory (benchmarks/results/main_command.md).
@@ -62,6 +62,9 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
     token bound): the forward keeps activations for every padded position until the backward pass
     (about 1.5 MB each on Gemma 3 270M in bf16 with a float32 LoRA), so the budget bounds a step's
     memory, and sorting wastes little compute on padding. The gradient is the whole batch's either way.
+    Each micro-batch's width is padded to a multiple of :data:`WIDTH_MULTIPLE`, so its shapes repeat
+    across steps (on CPU, oneDNN builds and caches matmul kernels per shape), and after every step the
+    freed activations' pages go back to the OS (:func:`~flowopt.lm.allocator.release_freed_memory`).
     With several processes (``world``) every rank holds all pairs and draws the same order; each takes
     its share of every batch, divides by the whole batch's token count, and the gradients are summed.
     """
