@@ -9,7 +9,7 @@ from typing import Any
 import dspy
 
 from flowopt.errors import ConfigError, SandboxError
-from flowopt.modules._fields import extend
+from flowopt.modules.derived_signatures import extend
 from flowopt.modules.sandbox import run_python
 from flowopt.operator import Operator
 from flowopt.registry import register_operator

@@ -14,7 +14,7 @@ from typing import Any
 import dspy
 
 from flowopt.errors import ConfigError
-from flowopt.modules._fields import extend
+from flowopt.modules.derived_signatures import extend
 from flowopt.operator import Operator
 from flowopt.registry import register_operator
 from flowopt.settings import TEMPERATURE, between, check_settings

@@ -6,7 +6,7 @@ from typing import Any
 
 import dspy
 
-from flowopt.modules._fields import extend, render_outputs
+from flowopt.modules.derived_signatures import extend, render_outputs
 from flowopt.operator import Operator
 from flowopt.registry import register_operator
 from flowopt.settings import between, check_settings

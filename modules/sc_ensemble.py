@@ -11,7 +11,7 @@ import dspy
 
 from flowopt.concurrency import map_in_context
 from flowopt.errors import ConfigError
-from flowopt.modules._fields import extend, render_outputs
+from flowopt.modules.derived_signatures import extend, render_outputs
 from flowopt.operator import Operator
 from flowopt.registry import register_operator
 from flowopt.settings import TEMPERATURE, between, check_settings, one_of

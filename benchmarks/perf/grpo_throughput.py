@@ -16,7 +16,10 @@ implementations are interleaved over ``--repeats`` rounds and the median is repo
 Run (CPU):  python -m flowopt.benchmarks.perf.grpo_throughput
 Run (GPU):  python -m flowopt.benchmarks.perf.grpo_throughput --model gemma-shaped --device cuda --batch 8 --group 8 \
                 --completion 64 --out benchmarks/results/grpo_throughput_gpu
-Writes benchmarks/results/grpo_throughput.{json,md} (``--out STEM``). Goal (issue 6): flowopt's steps/s >= TRL's.
+Writes benchmarks/results/grpo_throughput.{json,md} (``--out STEM``). Goal (issue 26): flowopt's steps/s >= 2x
+TRL's in both memory trades (gradient checkpointing off and on), at <= 1.0x TRL's peak GPU memory. Each run
+records its step split into rollout and update, each phase's peak GPU memory, and (flowopt) the decode
+step's compile seconds; flowopt's rollouts use LocalLM's default runtime (``--compile auto``: compiled on CUDA).
 The task is :mod:`flowopt.benchmarks.cue_word`. It needs flowopt installed with its dependencies (DSPy
 included, on a GPU machine too), and TRL (``pip install -e ".[bench]"``) for the ``trl`` runs.
 """
@@ -24,6 +27,8 @@ included, on a GPU machine too), and TRL (``pip install -e ".[bench]"``) for the
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import logging
 import random
 import statistics
@@ -33,7 +38,8 @@ import warnings
 from typing import Any
 
 from flowopt.benchmarks import cue_word
-from flowopt.benchmarks.perf.harness import Goal, PerfParser, PerfRun, markdown_table, setup_logging, start_run
+from flowopt.benchmarks.perf.grpo_throughput_report import phase_median_text, summarise, write
+from flowopt.benchmarks.perf.harness import PerfParser, setup_logging, start_run
 
 logger = logging.getLogger(__name__)
 SMOKE = {"batch": 2, "group": 2, "completion": 4, "steps": 1, "warmup": 1, "repeats": 1,
@@ -42,6 +48,11 @@ SMOKE = {"batch": 2, "group": 2, "completion": 4, "steps": 1, "warmup": 1, "repe
 LABELS = ["Noise:", "Cue:", "Word:", "---", "Answer."]
 LORA = {"r": 16, "alpha": 32}
 LEARNING_RATE = 1e-5
+COMPILE = {"auto": None, "on": True, "off": False}
+# flowopt's training forward holds at most this many padded positions (64 rows of ~73 tokens: 3 micro-batches):
+# its activations (~36 KiB a token and layer for the Gemma shape in bf16, counted on CPU) then stay well under
+# TRL's, which scores all B x G rows in one forward.
+DEFAULT_MICRO_BATCH_TOKENS = 2048
 
 
 # ----------------------------------------------------------------------------- shared setup
@@ -49,7 +60,7 @@ def build_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """Fresh weights, identical for every call (seeded)."""
     import torch
 
-    from flowopt.optimizers.weights.tiny import tiny_causal_lm, word_tokenizer
+    from flowopt.optimizers.weights.tiny import tiny_causal_lm
 
     words = [*cue_word.COLORS, *cue_word.ANIMALS, *cue_word.NOISE, *LABELS]
     if args.model == "tiny":
@@ -57,9 +68,7 @@ def build_model(args: argparse.Namespace) -> tuple[Any, Any]:
     else:  # Gemma 3 270M's shape with random weights: the real work of a 270M step, no download
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-        vocab = 262144
-        filler = [f"w{i}" for i in range(vocab)]
-        tokenizer = word_tokenizer(words + filler[: vocab - len(words) - 20])
+        tokenizer = copy.deepcopy(_gemma_shaped_tokenizer(tuple(words)))  # each run may change its own
         config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=640, intermediate_size=2048,
                                   num_hidden_layers=args.gemma_layers, num_attention_heads=4, num_key_value_heads=1,
                                   head_dim=256,
@@ -73,6 +82,16 @@ def build_model(args: argparse.Namespace) -> tuple[Any, Any]:
     model = model.to(device=args.device, dtype=dtype).eval()
     tokenizer.padding_side = "left"
     return model, tokenizer
+
+
+@functools.cache
+def _gemma_shaped_tokenizer(words: tuple[str, ...]) -> Any:
+    """A word-level tokenizer of Gemma 3's vocabulary size (262,144), built once per process (seconds)."""
+    from flowopt.optimizers.weights.tiny import word_tokenizer
+
+    vocab = 262144
+    filler = [f"w{i}" for i in range(vocab)]
+    return word_tokenizer([*words, *filler[: vocab - len(words) - 20]])
 
 
 def examples(n: int) -> list[dict[str, str]]:
@@ -125,6 +144,36 @@ def _peak_gib(device: str) -> float | None:
 
 
 # ----------------------------------------------------------------------------- flowopt, token level
+class PhaseClock:
+    """Seconds and peak device memory of each phase of a step (``rollout``, ``update``), synchronised on CUDA.
+
+    A step's peak is the largest of its phases' peaks (the peak counter is reset as each phase starts), so
+    the peaks say which phase holds the most memory.
+    """
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.peaks: dict[str, float] = {}
+        self.started = 0.0
+
+    def start(self) -> None:
+        _sync(self.device)
+        _peak_reset(self.device)
+        self.started = time.perf_counter()
+
+    def stop(self, phase: str) -> None:
+        _sync(self.device)
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - self.started
+        peak = _peak_gib(self.device)
+        if peak is not None:
+            self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak)
+
+    def take(self) -> dict[str, float]:
+        seconds, self.seconds = self.seconds, {}
+        return seconds
+
+
 def run_flowopt(args: argparse.Namespace, checkpointing: bool = False) -> dict[str, Any]:
     import torch
 
@@ -135,36 +184,58 @@ def run_flowopt(args: argparse.Namespace, checkpointing: bool = False) -> dict[s
     from flowopt.optimizers.weights.policy import LoraSettings, Policy
 
     model, tokenizer = build_model(args)
-    local = LocalLM.from_model(model, tokenizer, name="bench")
+    # The runtime as a user gets it: compile=None compiles the decode step on CUDA, not on CPU.
+    local = LocalLM.from_model(model, tokenizer, name="bench", compile=COMPILE[args.compile])
     policy = Policy(local, lora=LoraSettings(**LORA))
     policy.start_adapter("bench", seed=0)
     total = args.warmup + args.steps
     learner = GRPOLearner(policy, total_steps=total, learning_rate=LEARNING_RATE, beta=args.beta, aggregation="dapo",
-                          micro_batch_size=args.batch * args.group, temperature=1.0,
-                          gradient_checkpointing=checkpointing)
+                          micro_batch_size=args.batch * args.group, micro_batch_tokens=args.micro_batch_tokens or None,
+                          temperature=1.0, gradient_checkpointing=checkpointing)
     data = examples(args.batch * total)
     gen = torch.Generator(device=policy.device).manual_seed(0)
-    times, tokens = [], []
-    _peak_reset(args.device)
+    times, tokens, phases, warmup = [], [], [], []
+    graphs = _compiled_graphs()
+    clock = PhaseClock(args.device)
     for step in range(total):
-        _sync(args.device)
-        t0 = time.perf_counter()
+        clock.start()
         batch = data[step * args.batch:(step + 1) * args.batch]
         prompts = [policy.render([{"role": "user", "content": prompt_text(ex)}]) for ex in batch]
         rows = [p for p in prompts for _ in range(args.group)]
         settings = [RowSettings(max_new_tokens=args.completion, temperature=1.0, logprobs=True)] * len(rows)
         out = local.sample_ids(rows, settings, adapter=policy.adapter, generator=gen)
+        clock.stop("rollout")
+        clock.start()
         rewards = torch.tensor([reward(policy.decode(o.completion_ids), batch[i // args.group]["target"])
                                 for i, o in enumerate(out)])
         advantages = group_advantages(rewards.view(args.batch, args.group)).flatten().tolist()
         learner.update([ScoredTransition(rows[i], o.completion_ids, o.logprobs.tolist(), advantages[i])
                         for i, o in enumerate(out)])
-        _sync(args.device)
+        clock.stop("update")
+        seconds = clock.take()
         if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(sum(seconds.values()))
+            phases.append(seconds)
             tokens.append(sum(len(o.completion_ids) for o in out))
+        else:
+            warmup.append(round(sum(seconds.values()), 3))
+    stats = local.decode_stats.summary()
     local.close()
-    return {"step_s": times, "completion_tokens": tokens, "peak_gib": _peak_gib(args.device)}
+    return {"step_s": times, "phase_s": phases, "completion_tokens": tokens, "peak_gib": _max_peak(clock.peaks),
+            "phase_peak_gib": clock.peaks, "compile_s": round(sum(stats["compile_seconds"].values()), 2),
+            "compiled_shapes": stats["compile_seconds"], "eager_reason": stats["eager_reason"],
+            # every graph torch.compile made in this run (recompiles too), and the untimed steps that paid for them
+            "compiled_graphs": _compiled_graphs() - graphs, "warmup_step_s": warmup}
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _max_peak(peaks: dict[str, float]) -> float | None:
+    return max(peaks.values()) if peaks else None
 
 
 # ----------------------------------------------------------------------------- flowopt, whole stage
@@ -178,7 +249,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     from flowopt.optimizers.weights import GRPO, LoraSettings
 
     model, tokenizer = build_model(args)
-    local = LocalLM.from_model(model, tokenizer, name="bench", max_new_tokens=args.completion)
+    local = LocalLM.from_model(model, tokenizer, name="bench", max_new_tokens=args.completion,
+                               compile=COMPILE[args.compile])
     program = dspy.Predict(dspy.Signature("noise, cue -> word", "Answer."))
     program.lm = local.lm
     trainset = cue_word.make_examples(64, seed=0)
@@ -187,8 +259,10 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
                        rng=random.Random(0), run_dir=None, stage_name="grpo")
     stage = GRPO(steps=args.warmup + args.steps, batch_size=args.batch, group_size=args.group,
                  max_new_tokens=args.completion, learning_rate=LEARNING_RATE, beta=args.beta, aggregation="dapo",
-                 micro_batch_size=args.batch * args.group, lora=LoraSettings(**LORA), plot=False,
+                 micro_batch_size=args.batch * args.group, micro_batch_tokens=args.micro_batch_tokens or None,
+                 lora=LoraSettings(**LORA), plot=False,
                  checkpoint_every=0, adapter=CompletionAdapter(continue_missing=False))
+    _sync(args.device)
     _peak_reset(args.device)
     stage.run(program, ctx)
     curve = ctx.info["reward_curve"][args.warmup:]
@@ -214,18 +288,23 @@ def run_trl(args: argparse.Namespace, checkpointing: bool = True) -> dict[str, A
 
     times: list[float] = []
     tokens: list[float] = []
+    phases: list[dict[str, float]] = []
+    clock = PhaseClock(args.device)
 
-    device, warmup, rows = args.device, args.warmup, args.batch * args.group
+    warmup, rows = args.warmup, args.batch * args.group
 
     class Timer(TrainerCallback):
+        """A step's time, split at the end of TRL's generation phase (timed by ``timed_generation``)."""
+
         def on_step_begin(self, *a: Any, **k: Any) -> None:
-            _sync(device)
-            self.t0 = time.perf_counter()
+            clock.start()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **k: Any) -> None:
-            _sync(device)
+            clock.stop("update")
+            seconds = clock.take()
             if state.global_step > warmup:
-                times.append(time.perf_counter() - self.t0)
+                times.append(sum(seconds.values()))
+                phases.append(seconds)
 
         def on_log(self, args: Any, state: Any, control: Any, **k: Any) -> None:
             logs = k.get("logs")
@@ -244,9 +323,19 @@ def run_trl(args: argparse.Namespace, checkpointing: bool = True) -> dict[str, A
                              task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config, callbacks=[Timer()])
-    _peak_reset(args.device)
+    generate = trainer._generate_and_score_completions
+
+    def timed_generation(*a: Any, **k: Any) -> Any:
+        # TRL's generation phase: sampling, rewards, and its reference (and old-policy) log-prob passes.
+        out = generate(*a, **k)
+        clock.stop("rollout")
+        clock.start()
+        return out
+
+    trainer._generate_and_score_completions = timed_generation  # type: ignore[method-assign]
     trainer.train()
-    return {"step_s": times, "completion_tokens": tokens, "peak_gib": _peak_gib(args.device)}
+    return {"step_s": times, "phase_s": phases, "completion_tokens": tokens, "peak_gib": _max_peak(clock.peaks),
+            "phase_peak_gib": clock.peaks}
 
 
 RUNNERS = {
@@ -256,25 +345,6 @@ RUNNERS = {
     "trl": run_trl,  # TRL's defaults, gradient checkpointing on
     "trl-nockpt": lambda args: run_trl(args, checkpointing=False),
 }
-# Which TRL run each flowopt run is compared with: the one making the same memory/compute trade.
-BASELINE = {"flowopt": "trl-nockpt", "stage": "trl-nockpt", "flowopt-ckpt": "trl"}
-# The goal compares the runs that do TRL's work (prompts in, sampled completions scored by a reward
-# function, one update). The stage does more: it runs a DSPy program for every rollout (formatting,
-# parsing, traces), which TRL cannot do; its ratio is reported beside the goal, not as part of it.
-GOAL_RUNS = ("flowopt", "flowopt-ckpt")
-
-
-# ----------------------------------------------------------------------------- report
-def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    per_run = [statistics.median(r["step_s"]) for r in runs if r["step_s"]]
-    step_s = statistics.median(per_run)
-    tokens = [t for r in runs for t in r["completion_tokens"]]
-    peaks = [r["peak_gib"] for r in runs if r.get("peak_gib") is not None]
-    return {"median_step_s": round(step_s, 4), "steps_per_s": round(1.0 / step_s, 3),
-            "mean_completion_tokens_per_step": round(statistics.mean(tokens), 1) if tokens else None,
-            "peak_gpu_gib": max(peaks) if peaks else None, "runs_median_step_s": [round(x, 4) for x in per_run]}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = PerfParser("grpo_throughput", __doc__, smoke=SMOKE)
     parser.add_argument("--model", choices=["tiny", "gemma-shaped"], default="tiny")
@@ -287,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--completion", type=int, default=16, help="max completion tokens")
     parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--compile", choices=sorted(COMPILE), default="auto",
+                        help="flowopt's decode step: auto = LocalLM's default (compiled on CUDA, eager on CPU)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=DEFAULT_MICRO_BATCH_TOKENS,
+                        help="flowopt's padded positions per training forward (0: no bound; rows: B x G)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
@@ -314,58 +388,16 @@ def main(argv: list[str] | None = None) -> int:
         for impl in impls:
             started = time.perf_counter()
             runs[impl].append(RUNNERS[impl](args))
-            logger.info("round %d/%d %s: median step %.3fs (%.0fs total)", repeat + 1, args.repeats, impl,
-                        statistics.median(runs[impl][-1]["step_s"]), time.perf_counter() - started)
+            done = runs[impl][-1]
+            # Each run's figures in the log as it ends: a run cut short by a time limit still tells them.
+            logger.info("round %d/%d %s: median step %.3fs (rollout %s s, update %s s), peak GPU %s GiB "
+                        "(rollout / update %s), compile %s s (%.0fs total)", repeat + 1, args.repeats, impl,
+                        statistics.median(done["step_s"]), phase_median_text(done, "rollout"),
+                        phase_median_text(done, "update"), done["peak_gib"], done.get("phase_peak_gib"),
+                        done.get("compile_s", "-"), time.perf_counter() - started)
     results = {impl: summarise(r) for impl, r in runs.items()}
-    write(run, results, trl_version)
+    write(run, results, trl_version, lora_rank=LORA["r"], compiled=COMPILE[args.compile])
     return 0
-
-
-def write(run: PerfRun, results: dict[str, Any], trl_version: str | None) -> None:
-    import torch
-
-    args = run.args
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    ratios = {f"{impl} vs {base}": round(results[impl]["steps_per_s"] / results[base]["steps_per_s"], 3)
-              for impl, base in BASELINE.items() if impl in results and base in results}
-    payload = {"device": device, "runs": results, "flowopt_vs_trl": ratios}
-    model = (f"tiny Llama (hidden {args.hidden}, {args.layers} layers)" if args.model == "tiny"
-             else f"Gemma 3 270M shape ({args.gemma_layers} layers, vocab 262144, random weights)")
-    names = {"flowopt": "flowopt (sampler + learner, token ids)",
-             "flowopt-ckpt": "flowopt, gradient checkpointing",
-             "stage": "flowopt GRPO stage (DSPy program)",
-             "trl": f"TRL GRPOTrainer {trl_version} (defaults: gradient checkpointing)",
-             "trl-nockpt": f"TRL GRPOTrainer {trl_version}, no gradient checkpointing"}
-    rows = []
-    for impl, r in results.items():
-        base = BASELINE.get(impl)
-        ratio = ratios.get(f"{impl} vs {base}")
-        rows.append([names[impl], f"{r['median_step_s']:.3f}", ", ".join(f"{x:.3f}" for x in r["runs_median_step_s"]),
-                     f"{r['steps_per_s']:.2f}", "-" if ratio is None else f"{ratio:.2f}x {base}",
-                     r["mean_completion_tokens_per_step"] or "-",
-                     r["peak_gpu_gib"] if r["peak_gpu_gib"] is not None else "-"])
-    body = [
-        f"Device: {device}; torch threads {args.threads}. Model: {model}, "
-        f"{'bf16' if args.device.startswith('cuda') else 'fp32'}; LoRA r={LORA['r']} all linear; "
-        f"B={args.batch} prompts x G={args.group} completions, up to {args.completion} tokens, temperature 1, "
-        f"beta={args.beta} (reference = adapter disabled), loss dapo, 1 optimizer step per generation. "
-        f"{args.steps} timed steps after {args.warmup} warm-up steps, {args.repeats} interleaved rounds; "
-        "median step time.", "",
-        *markdown_table(["implementation", "median step (s)", "rounds' medians (s)", "steps/s", "vs TRL (same trade)",
-                         "completion tokens/step", "peak GPU GiB"], rows, align="lrlrrrr"),
-        "", "Each flowopt run is compared with the TRL run that makes the same memory/compute trade "
-        "(gradient checkpointing on or off).",
-    ]
-    stage = ratios.get(f"stage vs {BASELINE['stage']}")
-    if stage is not None and "flowopt" in results:
-        extra = results["stage"]["median_step_s"] - results["flowopt"]["median_step_s"]
-        body += [f"The whole stage, which also runs the DSPy program for each of the {args.batch * args.group} "
-                 f"rollouts, is {stage:.2f}x TRL's step: {extra * 1000:+.0f} ms a step over flowopt's own step "
-                 "(DSPy formatting, parsing and trace recording, and the rollout threads)."]
-    # The goal: the runs doing TRL's work (steps/s >= TRL's); the stage's ratio is reported beside it.
-    goals = [Goal.at_least(f"steps/s ratio {key}", value, 1.0) for key, value in ratios.items()
-             if key.split(" vs ")[0] in GOAL_RUNS]
-    run.finish(f"GRPO step throughput: flowopt vs TRL GRPOTrainer ({args.device})", payload, body, goals=goals)
 
 
 if __name__ == "__main__":

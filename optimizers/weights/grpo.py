@@ -90,6 +90,7 @@ class GRPO(Stage):
         aggregation: how token losses are averaged (above).
         passes: optimizer steps on each batch of rollouts.
         micro_batch_size: sequences per forward pass (gradients accumulate over them).
+        micro_batch_tokens: padded positions per forward pass (``None``: no bound); the update's activation memory.
         max_grad_norm: the gradient-norm clip (``None``: none).
         gradient_checkpointing: recompute activations in the backward pass (less memory, more compute).
         node_rewards: per-node reward functions added to the metric (node id -> ``NodeReward``).
@@ -111,7 +112,7 @@ class GRPO(Stage):
 
     name: ClassVar[str] = "grpo"
     multi_process: ClassVar[bool] = True
-    memory_settings: ClassVar[tuple[str, ...]] = ("micro_batch_size", "gradient_checkpointing")
+    memory_settings: ClassVar[tuple[str, ...]] = ("micro_batch_size", "micro_batch_tokens", "gradient_checkpointing")
 
     student: Any = None
     steps: int = 20
@@ -130,6 +131,7 @@ class GRPO(Stage):
     aggregation: str = "dapo"
     passes: int = 1
     micro_batch_size: int = 8
+    micro_batch_tokens: int | None = None
     max_grad_norm: float | None = 1.0
     gradient_checkpointing: bool = False
     node_rewards: Mapping[str, NodeReward] | None = None
@@ -151,7 +153,8 @@ class GRPO(Stage):
             "lr_schedule": one_of(*SCHEDULES), "warmup_steps": at_least(0), "weight_decay": at_least(0.0),
             "epsilon": above(0.0, 1.0), "epsilon_high": above(0.0, 1.0), "beta": at_least(0.0),
             "scaling": one_of(*SCALINGS), "aggregation": one_of(*AGGREGATIONS), "passes": at_least(1),
-            "micro_batch_size": at_least(1), "max_grad_norm": above(0.0), "format_penalty": at_least(0.0),
+            "micro_batch_size": at_least(1), "micro_batch_tokens": at_least(1), "max_grad_norm": above(0.0),
+            "format_penalty": at_least(0.0),
             "checkpoint_every": at_least(0), "node_reward_credit": one_of(*CREDITS),
             "intermediate_weight": at_least(0.0),
         })
@@ -189,7 +192,8 @@ class GRPO(Stage):
             policy, total_steps=self.steps, learning_rate=self.learning_rate, weight_decay=self.weight_decay,
             lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps, epsilon=self.epsilon,
             epsilon_high=self.epsilon_high, beta=self.beta, aggregation=self.aggregation, passes=self.passes,
-            micro_batch_size=self.micro_batch_size, max_grad_norm=self.max_grad_norm, temperature=self.temperature,
+            micro_batch_size=self.micro_batch_size, micro_batch_tokens=self.micro_batch_tokens,
+            max_grad_norm=self.max_grad_norm, temperature=self.temperature,
             gradient_checkpointing=self.gradient_checkpointing,
             # KL to the policy the stage starts from: after BootstrapFinetune that is the fine-tuned adapter
             # (a KL to the base model would pull the student back from what it learned).
@@ -248,7 +252,7 @@ class GRPO(Stage):
         ctx.record(**info)
         return program
 
-    def _step(self, step: int, program: dspy.Module, ctx: Any, policy: Policy, learner: GRPOLearner,
+    def _step(self, step: int, program: dspy.Module, ctx: StageContext, policy: Policy, learner: GRPOLearner,
               adapter: Any, pool: ThreadPoolExecutor, world: World,
               served: ServedRollouts | None = None, agents: AgentRollouts | None = None) -> dict[str, Any]:
         import torch
@@ -332,12 +336,13 @@ class GRPO(Stage):
                  else "no step was checkpointed yet, so a resumed run starts GRPO over")
         return out_of_memory_errors(
             f"grpo (step {step + 1})",
-            {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing},
+            {"micro_batch_size": self.micro_batch_size, "micro_batch_tokens": self.micro_batch_tokens,
+             "gradient_checkpointing": self.gradient_checkpointing},
             {"batch_size": self.batch_size, "group_size": self.group_size, "max_new_tokens": self.max_new_tokens},
             resume_note=saved)
 
     # ------------------------------------------------------------------ checkpoints
-    def _checkpoint(self, ctx: Any, policy: Policy, learner: GRPOLearner, curve: list[dict[str, Any]],
+    def _checkpoint(self, ctx: StageContext, policy: Policy, learner: GRPOLearner, curve: list[dict[str, Any]],
                     step: int, world: World) -> None:
         """Rank 0 writes the checkpoint (every rank holds the same adapter and optimizer state)."""
         if ctx.run_dir is None or not world.is_main:
@@ -360,7 +365,7 @@ class GRPO(Stage):
             if old.name != folder.name:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def _resume(self, ctx: Any, policy: Policy, learner: GRPOLearner, curve: list[dict[str, Any]]) -> int:
+    def _resume(self, ctx: StageContext, policy: Policy, learner: GRPOLearner, curve: list[dict[str, Any]]) -> int:
         state = ctx.load_checkpoint("grpo")
         if not state or ctx.run_dir is None:
             return 0

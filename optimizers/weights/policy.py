@@ -175,6 +175,10 @@ class Policy:
             model.eval()
             if gradient_checkpointing:
                 base.gradient_checkpointing_disable()
+                # transformers leaves the embeddings' input-require-grads hook of the enable in place under
+                # a PEFT wrapper, so one more hook would pile up per update, and each new count makes a
+                # compiled decode step recompile (its guards check the hooks).
+                base.disable_input_require_grads()
 
     def trainable_parameters(self) -> list[Any]:
         return [p for p in self.model.parameters() if p.requires_grad]

@@ -22,7 +22,8 @@ from flowopt.benchmarks.perf.harness import read_results
 
 PERF_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "perf"
 # Imported by scripts, not run.
-SHARED_MODULES = {"__init__", "lm_workload", "structure_families", "structure_sim_world", "structure_sim_report",
+SHARED_MODULES = {"__init__", "lm_workload", "grpo_throughput_report", "structure_families", "structure_sim_world",
+                  "structure_sim_report",
                   "search_tasks", "search_generalisation_methods", "search_generalisation_report"}
 
 
@@ -68,7 +69,7 @@ def _search_defaults(r: dict[str, Any]) -> None:
     # One seed a shape, every method on it, every comparison paired per shape and over all.
     assert list(r["summary"]) == ["demos_only", "needles", "instructions", "all"]
     methods = {"bfrs16", "mipro_light", "gepa_light", "flowopt_defaults", "bfrs8", "flowopt_bfrs8_candidates",
-               "flowopt_at_mipro_calls", "flowopt_at_gepa_calls"}
+               "flowopt_bfrs8_candidates_no_finalists", "flowopt_at_mipro_calls", "flowopt_at_gepa_calls"}
     assert [(s["shape"], set(s["rows"])) for s in r["seeds"]] == [
         (shape, methods) for shape in ("demos_only", "needles", "instructions")]
     for seed in r["seeds"]:  # a budgeted row keeps to the calls of the peer it is measured against
@@ -76,6 +77,8 @@ def _search_defaults(r: dict[str, Any]) -> None:
         assert rows["flowopt_at_mipro_calls"]["lm_calls"] <= rows["mipro_light"]["lm_calls"]
         assert rows["flowopt_at_gepa_calls"]["lm_calls"] <= rows["gepa_light"]["lm_calls"]
         assert all(0.0 <= row["test"] <= 1.0 and row["lm_calls"] > 0 for row in rows.values())
+        assert rows["flowopt_bfrs8_candidates_no_finalists"]["search"]["fresh_calls"] == 0  # finalists=0
+        assert rows["flowopt_bfrs8_candidates"]["search"]["fresh_calls"] >= 0
     pair = r["summary"]["all"]["pairs"]["flowopt_defaults vs bfrs16"]
     assert pair["n"] == 3 and pair["better"] + pair["equal"] + pair["worse"] == 3
 
@@ -106,6 +109,11 @@ def _grpo_throughput(r: dict[str, Any]) -> None:
     assert set(r["runs"]) == {"flowopt", "stage", "trl-nockpt"}
     assert all(run["median_step_s"] > 0 for run in r["runs"].values())
     assert set(r["flowopt_vs_trl"]) == {"flowopt vs trl-nockpt", "stage vs trl-nockpt"}
+    for impl in ("flowopt", "trl-nockpt"):  # each step split into rollout and update (one timed step: they add up)
+        run = r["runs"][impl]
+        assert run["median_rollout_s"] > 0 and run["median_update_s"] > 0
+        assert run["median_rollout_s"] + run["median_update_s"] == pytest.approx(run["median_step_s"], rel=1e-3)
+    assert r["runs"]["flowopt"]["compile_s_per_run"] == [0.0]  # on CPU LocalLM decodes eagerly by default
 
 
 def _runtime_ab(r: dict[str, Any]) -> None:

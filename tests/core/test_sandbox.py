@@ -1,6 +1,6 @@
 """The Programmer sandbox: it runs code, enforces its limits, and fails closed when it cannot be built.
 
-Escape attempts live in tests/security/test_sandbox_escapes.py.
+Escape attempts live in tests/security/test_sandbox_escapes.py and test_sandbox_runaways_and_network.py.
 """
 
 import socket

@@ -28,10 +28,14 @@ def _vm_size() -> int:
     raise RuntimeError("no VmSize in /proc/self/status")
 
 
-def _cap() -> None:
+# GRPO trains this bf16 model (on a CPU with bf16 compute) under autocast, so its step holds less than the finetune's.
+GRPO_HEADROOM = 250 * 2**20
+
+
+def _cap(headroom: int = HEADROOM) -> None:
     """Cap the address space a little above what the process holds now (once)."""
     if resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY:
-        resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + HEADROOM, resource.RLIM_INFINITY))
+        resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + headroom, resource.RLIM_INFINITY))
 
 
 def main() -> None:
@@ -69,7 +73,7 @@ def main() -> None:
     def capped_update(self, items):  # GRPO: the cap lands at the second step's update
         updates.append(self.micro)
         if len(updates) == 2:
-            _cap()
+            _cap(GRPO_HEADROOM)
         return update(self, items)
 
     sft.sft_train = capped_train

@@ -59,8 +59,8 @@ def test_grpo_out_of_memory_keeps_its_checkpoint_and_resumes_with_a_smaller_micr
     assert "the checkpoint after 1 steps is intact" in error["message"]
     assert "micro_batch_size=12 -> 6" in error["message"] and "gradient_checkpointing=True" in error["message"]
     assert "group_size (now 4)" in error["message"] and "batch_size (now 3)" in error["message"]
-    assert error["settings"] == {"micro_batch_size": 12, "gradient_checkpointing": False, "batch_size": 3,
-                                 "group_size": 4, "max_new_tokens": 2}
+    assert error["settings"] == {"micro_batch_size": 12, "micro_batch_tokens": None, "gradient_checkpointing": False,
+                                 "batch_size": 3, "group_size": 4, "max_new_tokens": 2}
     files = seen["files_after_error"]
     assert "compile.json" in files and "stages/00-grpo/checkpoint-1/learner.pt" in files
     assert "stages/00-grpo/checkpoint-1/adapter/adapter_model.safetensors" in files

@@ -114,6 +114,27 @@ def test_the_compiled_step_gives_the_eager_tokens(tiny_local, monkeypatch):
     assert compiled.stats.eager_reason is None
 
 
+def test_one_dynamic_graph_serves_every_bucket_and_cache_length(tiny_local, monkeypatch):
+    """Batches of 1, 2, 3 and 5 rows (buckets 1, 2, 4, 8) and a prompt that grows the cache to 1024 columns:
+    dynamo traces two graphs in all (a batch of one is specialized), and every output equals the eager loop's."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(decoder_module, "_compile_failure", [])
+    model, tokenizer = tiny_local.model, tiny_local.tokenizer
+    compiled = Decoder(lambda: model, tokenizer, compile=CompileSettings(enabled=True, backend="eager"))
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    long_text = " ".join(TEXTS * 40)
+    for prompts in ([TEXTS[0]], TEXTS[:2], TEXTS[:3], (TEXTS * 3)[:5], [long_text, TEXTS[1]]):
+        ids = [tokenizer(p)["input_ids"] for p in prompts]
+        rows = [RowSettings(max_new_tokens=4)] * len(ids)
+        out = sample(model, tokenizer, ids, rows, decoder=compiled)
+        assert [s.completion_ids for s in out] == [s.completion_ids for s in sample(model, tokenizer, ids, rows)]
+    assert compiled.cache.length >= 1024
+    assert counters["stats"]["unique_graphs"] - before == 2
+    assert {"batch 1, cache 256", "batch 8, cache 256"} <= set(compiled.stats.compile_seconds)
+
+
 def test_a_failing_compiler_falls_back_to_eager_and_says_so_once(tiny_local, monkeypatch, caplog):
     monkeypatch.setattr(decoder_module, "_compile_failure", [])
     model, tokenizer = tiny_local.model, tiny_local.tokenizer

@@ -58,8 +58,8 @@ def test_grpo_out_of_memory_names_the_settings_keeps_its_checkpoint_and_resumes(
     assert "the checkpoint after 1 steps is intact" in message
     assert "micro_batch_size=4 -> 2" in message and "gradient_checkpointing=True" in message
     assert "batch_size (now 2)" in message and "group_size (now 4)" in message and "max_new_tokens (now 2)" in message
-    assert caught.value.settings == {"micro_batch_size": 4, "gradient_checkpointing": False, "batch_size": 2,
-                                     "group_size": 4, "max_new_tokens": 2}
+    assert caught.value.settings == {"micro_batch_size": 4, "micro_batch_tokens": None, "gradient_checkpointing": False,
+                                     "batch_size": 2, "group_size": 4, "max_new_tokens": 2}
     assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-1"]  # the last good one, whole
     assert (run_dir / "checkpoint-1" / "learner.pt").is_file()
     assert (run_dir / "checkpoint-1" / "adapter" / "adapter_model.safetensors").is_file()
