@@ -9,11 +9,13 @@ between any two steps (continuous batching, :mod:`flowopt.lm.continuous`) or all
 round: :func:`flowopt.lm.sampling.sample`).
 
 The step is a pure function of (token ids, positions, masks, cache view) and runs on the first
-``bucket(n)`` slots. With ``compile=True`` ``torch.compile`` traces it with dynamic shapes, so one graph
-serves every bucket and cache length: two compilations per process in all (torch specializes a batch of
-one, so batch 1 gets its own). On CUDA (``mode="reduce-overhead"``) each new bucket then only records a
-CUDA graph. The first call of each shape is timed and logged (:class:`~flowopt.lm.stats.DecodeStats`);
-if compiling fails, the step runs eagerly from then on and a warning says so once per process.
+``bucket(n)`` slots, so with ``compile=True`` ``torch.compile`` captures it once per bucket and cache
+length (on CUDA ``mode="reduce-overhead"``: CUDA graphs). ``CompileSettings(dynamic=True)`` traces it with
+dynamic shapes instead: one graph for every bucket and length, plus one for a batch of one (tested on CPU;
+on an H200 the warm-up that compiles its first graph did not finish within 95 s, against 33 s for a
+static bucket, so it is opt-in). The first call of each shape is timed and logged
+(:class:`~flowopt.lm.stats.DecodeStats`); if compiling fails, the step runs eagerly from then on and a
+warning says so once per process.
 """
 
 from __future__ import annotations
@@ -63,20 +65,21 @@ class CompileSettings:
     """How the decode step is compiled: ``enabled``, torch.compile's ``backend`` and ``mode`` (None: per device:
     ``"reduce-overhead"`` on CUDA, the default elsewhere), and ``dynamic`` shapes.
 
-    ``dynamic=True`` (the default) compiles one graph for every batch bucket and cache length (plus one
-    for a batch of one); ``False`` compiles each (bucket, length) pair apart: measured on an H200 with a
-    Gemma-3-270M-shaped model, 33-34 s each, so a scoring run that passes through 8 buckets spent minutes
-    compiling.
+    ``dynamic=False`` (the default) compiles each (bucket, cache length) pair apart: 33-34 s each on an
+    H200 with a Gemma-3-270M-shaped model, the configuration whose speed was measured there
+    (``benchmarks/results/decode_side_by_side_h200.md``). ``dynamic=True`` compiles one graph for every
+    bucket and length (plus one for a batch of one), but on the H200 (2026-11-27) its first graph took
+    more than 95 s to compile and its speed is not measured.
 
     Example:
         >>> CompileSettings(enabled=True).dynamic
-        True
+        False
     """
 
     enabled: bool = False
     backend: str = "inductor"
     mode: str | None = None
-    dynamic: bool = True
+    dynamic: bool = False
 
 
 def _forward(parts: Halves, cache: Any, ids: torch.Tensor, positions: torch.Tensor, mask: Any) -> torch.Tensor:

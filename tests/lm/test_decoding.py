@@ -115,13 +115,15 @@ def test_the_compiled_step_gives_the_eager_tokens(tiny_local, monkeypatch):
 
 
 def test_one_dynamic_graph_serves_every_bucket_and_cache_length(tiny_local, monkeypatch):
-    """Batches of 1, 2, 3 and 5 rows (buckets 1, 2, 4, 8) and a prompt that grows the cache to 1024 columns:
-    dynamo traces two graphs in all (a batch of one is specialized), and every output equals the eager loop's."""
+    """With ``dynamic=True``: batches of 1, 2, 3 and 5 rows (buckets 1, 2, 4, 8) and a prompt that grows the
+    cache to 1024 columns: dynamo traces two graphs in all (a batch of one is specialized), and every
+    output equals the eager loop's."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(decoder_module, "_compile_failure", [])
     model, tokenizer = tiny_local.model, tiny_local.tokenizer
-    compiled = Decoder(lambda: model, tokenizer, compile=CompileSettings(enabled=True, backend="eager"))
+    compiled = Decoder(lambda: model, tokenizer,
+                       compile=CompileSettings(enabled=True, backend="eager", dynamic=True))
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
     long_text = " ".join(TEXTS * 40)
