@@ -81,13 +81,19 @@ class PackedBatch:
                                                      self.completion_ids, self.completion_mask)))
 
 
-def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int) -> PackedBatch:
+def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int, *,
+         pad_to_multiple_of: int = 1) -> PackedBatch:
     """Left-pad prompts, right-pad completions (at least one column); every prompt needs a token.
+
+    ``pad_to_multiple_of`` adds left padding until the width is a multiple of it, so batches of similar
+    lengths share one shape (training: see :func:`padded_length`).
 
     Example:
         >>> batch = pack([[5, 6], [7]], [[8], [9, 10]], pad_id=0)
         >>> batch.input_ids.tolist(), batch.completion_mask.tolist()
         ([[5, 6, 8, 0], [0, 7, 9, 10]], [[1.0, 0.0], [1.0, 1.0]])
+        >>> pack([[5, 6], [7]], [[8], [9, 10]], pad_id=0, pad_to_multiple_of=3).input_ids.tolist()
+        [[0, 0, 5, 6, 8, 0], [0, 0, 0, 7, 9, 10]]
     """
     import torch
 
@@ -95,9 +101,11 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
         raise ValueError("pack needs one completion per prompt and at least one pair")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("a prompt has no tokens")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
     n = len(prompts)
-    p_width = max(len(p) for p in prompts)
     c_width = max(1, max(len(c) for c in completions))
+    p_width = padded_length(max(len(p) for p in prompts) + c_width, pad_to_multiple_of) - c_width
     ids = torch.full((n, p_width + c_width), pad_id, dtype=torch.long)
     attention = torch.zeros((n, p_width + c_width), dtype=torch.long)
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
@@ -108,6 +116,20 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
         attention[i, start:p_width + len(completion)] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     return PackedBatch(ids, attention, positions, ids[:, p_width:].clone(), attention[:, p_width:].float())
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple``.
+
+    Training pads each micro-batch's width this way: CPU matmuls (oneDNN) build and cache a kernel per
+    input shape, so widths that never repeat cost a kernel build and its cached memory at every
+    micro-batch, while a few widths are built once (benchmarks/results/main_command.md).
+
+    Example:
+        >>> padded_length(300, 64), padded_length(320, 64)
+        (320, 320)
+    """
+    return -(-length // multiple) * multiple
 
 
 def micro_batches(lengths: Sequence[int], *, max_rows: int, max_tokens: int | None = None) -> list[list[int]]:

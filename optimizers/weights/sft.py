@@ -24,7 +24,8 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
-from flowopt.lm.packing import micro_batches, pack
+from flowopt.lm.allocator import release_freed_memory
+from flowopt.lm.packing import micro_batches, pack, padded_length
 from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter
 from flowopt.optimizers.weights.distributed import SINGLE, World, agree_on_budget, current_world
@@ -37,8 +38,11 @@ from flowopt.settings import above, at_least, check_stage, one_of
 logger = logging.getLogger(__name__)
 
 #: Padded positions per training micro-batch: about 1.1 GB of activations on Gemma 3 270M (bf16 base, float32
-#: LoRA), so the README's finetune peaks near 3 GB of RSS instead of 10 (benchmarks/results/main_command.md).
+#: LoRA); unbounded, the README's finetune peaked at 10 GB of RSS (benchmarks/results/main_command.md).
 DEFAULT_MICRO_BATCH_TOKENS = 768
+#: Micro-batch widths are padded to a multiple of this, so that a few shapes repeat across the steps: on CPU each
+#: new shape costs a oneDNN kernel build and its cached memory (benchmarks/results/main_command.md).
+WIDTH_MULTIPLE = 64
 
 
 def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, epochs: int = 3,
@@ -58,6 +62,9 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
     token bound): the forward keeps activations for every padded position until the backward pass
     (about 1.5 MB each on Gemma 3 270M in bf16 with a float32 LoRA), so the budget bounds a step's
     memory, and sorting wastes little compute on padding. The gradient is the whole batch's either way.
+    Each micro-batch's width is padded to a multiple of :data:`WIDTH_MULTIPLE`, so its shapes repeat
+    across steps (on CPU, oneDNN builds and caches matmul kernels per shape), and after every step the
+    freed activations' pages go back to the OS (:func:`~flowopt.lm.allocator.release_freed_memory`).
     With several processes (``world``) every rank holds all pairs and draws the same order; each takes
     its share of every batch, divides by the whole batch's token count, and the gradients are summed.
     """
@@ -84,10 +91,11 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
                     mine = [batch[i] for i in world.share(len(batch))]
                     optimizer.zero_grad(set_to_none=True)
                     step_loss = 0.0
-                    lengths = [len(p) + len(c) for p, c in mine]
+                    lengths = [padded_length(len(p) + len(c), WIDTH_MULTIPLE) for p, c in mine]
                     for rows in micro_batches(lengths, max_rows=micro_batch_size, max_tokens=micro_batch_tokens):
                         micro = [mine[i] for i in rows]
-                        packed = pack([p for p, _ in micro], [c for _, c in micro], policy.pad_id).to(policy.device)
+                        packed = pack([p for p, _ in micro], [c for _, c in micro], policy.pad_id,
+                                      pad_to_multiple_of=WIDTH_MULTIPLE).to(policy.device)
                         logps = completion_logprobs(model, packed)
                         loss = -(logps * packed.completion_mask).sum() / total_tokens
                         loss.backward()
@@ -96,11 +104,15 @@ def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, e
                     step_loss = world.sum_floats([step_loss])[0]
                     norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), max_grad_norm or float("inf"))
                     guard.record(guard.step(norm, optimizer, scheduler), f"step {len(losses) + 1}")
+                    # The step's activations are freed, but glibc keeps their pages resident unless asked
+                    # (flowopt.lm.allocator); the next step faults in what it needs, a small cost.
+                    release_freed_memory()
                     losses.append(step_loss)
                     if on_step is not None:
                         on_step(step_loss)
         finally:
             optimizer.zero_grad(set_to_none=True)
+            release_freed_memory()  # what a failed step allocated, too: scoring runs on another thread's arena
         policy.weights_changed()
     return losses
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowopt.lm.packing import micro_batches
+from flowopt.lm.packing import micro_batches, pack, padded_length
 from flowopt.optimizers.weights import sft
 from flowopt.optimizers.weights.policy import LoraSettings, Policy
 
@@ -24,6 +24,12 @@ def test_micro_batches_sort_by_length_and_keep_both_bounds():
     assert micro_batches([4, 4, 4], max_rows=2) == [[0, 1], [2]]  # no token bound: rows only
 
 
+def test_padded_lengths_take_few_widths():
+    assert [padded_length(n, 64) for n in (1, 64, 65, 250, 555)] == [64, 64, 128, 256, 576]
+    with pytest.raises(ValueError):
+        pack([[5]], [[6]], pad_id=0, pad_to_multiple_of=0)
+
+
 @pytest.mark.parametrize("bad", [{"max_rows": 0}, {"max_rows": 2, "max_tokens": 0}])
 def test_micro_batches_refuse_empty_bounds(bad):
     with pytest.raises(ValueError):
@@ -40,15 +46,17 @@ def test_token_budget_splits_the_forward_but_not_the_step(make_tiny_local, monke
     """The step with micro-batches of a few padded positions equals the step over the whole batch at once,
     and the budget does cut the batch into several forward passes (each no wider than the budget allows)."""
     shapes: list[tuple[int, int]] = []
+    widths: set[int] = set()
     score = sft.completion_logprobs
 
     def recording(model, batch, *args, **kwargs):
         shapes.append((len(batch.input_ids), int(batch.attention_mask.sum(1).max())))  # rows, longest row
+        widths.add(int(batch.input_ids.shape[1]))
         return score(model, batch, *args, **kwargs)
 
     monkeypatch.setattr(sft, "completion_logprobs", recording)
     states, losses = [], []
-    for budget in (None, 24):
+    for budget in (None, 2 * sft.WIDTH_MULTIPLE):  # every pair is padded to one multiple: two rows a pass
         policy = Policy(make_tiny_local(), lora=LoraSettings(r=4, alpha=8))
         policy.start_adapter("budget", seed=0)
         pairs = _pairs(policy)
@@ -64,6 +72,23 @@ def test_token_budget_splits_the_forward_but_not_the_step(make_tiny_local, monke
             assert any(rows > 1 for rows, _ in shapes)
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     assert all(torch.allclose(states[0][k], states[1][k], atol=1e-6) for k in states[0])
+    assert widths == {sft.WIDTH_MULTIPLE}  # every forward had the same shape's width: kernels are reused
+
+
+def test_padding_to_a_width_multiple_leaves_the_log_probs_unchanged(make_tiny_local):
+    """Training pads each micro-batch's width up to a multiple (so shapes repeat); the extra left padding is
+    masked, so the completion log-probs are those of the tight batch."""
+    policy = Policy(make_tiny_local(), lora=LoraSettings(r=4, alpha=8))
+    pairs = _pairs(policy)
+    prompts, completions = [p for p, _ in pairs], [c for _, c in pairs]
+    tight = pack(prompts, completions, policy.pad_id)
+    padded = pack(prompts, completions, policy.pad_id, pad_to_multiple_of=16)
+    assert padded.input_ids.shape[1] % 16 == 0 and padded.input_ids.shape[1] > tight.input_ids.shape[1]
+    with torch.no_grad():
+        expected = sft.completion_logprobs(policy.model, tight)
+        got = sft.completion_logprobs(policy.model, padded)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert bool((expected != 0).any())
 
 
 def test_finetune_stage_checks_the_token_budget():
