@@ -122,15 +122,20 @@ def run_seed(job: tuple[int, str], args: Any, logged: dict[str, dict[str, Any]] 
     """Every one of ``args.methods`` on one seed; those in ``logged`` (this seed's rows from the seeds log)
     are taken from it, not run again."""
     seed, shape = job
-    logging.disable(logging.WARNING)
     task = Task(seed, args.train, args.val, args.test, shape=shape)
     rows: dict[str, dict[str, Any]] = {}
-    # DSPy's optimizers print their progress (print and tqdm): kept out of the benchmark's own log.
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        for name in args.methods:  # the peers first: the budgeted rows take their calls
-            done = (logged or {}).get(name)
-            rows[name] = done if done is not None else run_method(
-                name, task, args.threads, {k: v["lm_calls"] for k, v in rows.items()})
+    # DSPy's optimizers print their progress (print and tqdm, warnings): kept out of the benchmark's own log,
+    # and the process's logging restored after (a caller in the same process keeps its warnings).
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            for name in args.methods:  # the peers first: the budgeted rows take their calls
+                done = (logged or {}).get(name)
+                rows[name] = done if done is not None else run_method(
+                    name, task, args.threads, {k: v["lm_calls"] for k, v in rows.items()})
+    finally:
+        logging.disable(previous)
     return {"seed": seed, "shape": shape, "rows": rows}
 
 

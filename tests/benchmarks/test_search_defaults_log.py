@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 
 from flowopt.benchmarks.perf.search_defaults import logged_rows, run_seed
@@ -30,6 +31,8 @@ def test_run_seed_takes_logged_methods_from_the_log_without_running_them():
     args = SimpleNamespace(train=6, val=4, test=4, threads=1, methods=["bfrs8", "flowopt_bfrs8_candidates"])
     logged = {"bfrs8": _row(1100, 0.7), "flowopt_bfrs8_candidates": _row(540, 0.71)}
 
+    before = logging.root.manager.disable
     out = run_seed((0, "demos_only"), args, logged)  # nothing left to run: no LM is configured or called
 
     assert out == {"seed": 0, "shape": "demos_only", "rows": logged}
+    assert logging.root.manager.disable == before  # the seed's silence ends with it (later tests log again)
