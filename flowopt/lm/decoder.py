@@ -10,10 +10,8 @@ round: :func:`flowopt.lm.sampling.sample`).
 
 The step is a pure function of (token ids, positions, masks, cache view) and runs on the first
 ``bucket(n)`` slots, so with ``compile=True`` ``torch.compile`` captures it once per bucket and cache
-length (on CUDA ``mode="reduce-overhead"``: CUDA graphs). ``CompileSettings(dynamic=True)`` traces it with
-dynamic shapes instead: one graph for every bucket and length, plus one for a batch of one (tested on CPU;
-on an H200 the warm-up that compiles its first graph did not finish within 95 s, against 33 s for a
-static bucket, so it is opt-in). The first call of each shape is timed and logged
+length (on CUDA ``mode="reduce-overhead"``: CUDA graphs), or with ``CompileSettings(dynamic=True)`` once
+for all of them (see :class:`CompileSettings`). The first call of each shape is timed and logged
 (:class:`~flowopt.lm.stats.DecodeStats`); if compiling fails, the step runs eagerly from then on and a
 warning says so once per process.
 """
@@ -65,11 +63,11 @@ class CompileSettings:
     """How the decode step is compiled: ``enabled``, torch.compile's ``backend`` and ``mode`` (None: per device:
     ``"reduce-overhead"`` on CUDA, the default elsewhere), and ``dynamic`` shapes.
 
-    ``dynamic=False`` (the default) compiles each (bucket, cache length) pair apart: 33-34 s each on an
-    H200 with a Gemma-3-270M-shaped model, the configuration whose speed was measured there
-    (``benchmarks/results/decode_side_by_side_h200.md``). ``dynamic=True`` compiles one graph for every
-    bucket and length (plus one for a batch of one), but on the H200 (2026-11-27) its first graph took
-    more than 95 s to compile and its speed is not measured.
+    ``dynamic=False`` (the default) compiles each (bucket, cache length) pair apart: the configuration whose
+    compile time and speed were measured on a GPU. ``dynamic=True`` (a :class:`Decoder` option; ``LocalLM``
+    does not expose it) traces one graph for every bucket and length, plus one for a batch of one; on a GPU
+    it compiled slower than a static bucket and its speed is not measured
+    (``benchmarks/results/gsm8k_gemma_h200.md``).
 
     Example:
         >>> CompileSettings(enabled=True).dynamic

@@ -170,7 +170,6 @@ class GRPOLearner:
         self.gradient_checkpointing = s.gradient_checkpointing
         self.reference_adapter = s.reference_adapter  # None: the base model (adapter disabled)
         self.params = policy.trainable_parameters()
-        self.autocast = _half_precision_with_float32_adapter(policy.model)
         if self.gradient_checkpointing:
             # Switching checkpointing on and off leaves attributes on the model's layers that a compiled decode
             # step's guards check; settle them before the first rollout, so a step captured then still matches
@@ -239,8 +238,7 @@ class GRPOLearner:
                 with torch.no_grad(), policy.reference(self.reference_adapter):
                     for m in micros:
                         m.ref = completion_logprobs(model, m.batch, self.temperature)
-            precision = mixed_precision(model) if self.autocast else contextlib.nullcontext()
-            with policy.training(gradient_checkpointing=self.gradient_checkpointing), precision:
+            with policy.training(gradient_checkpointing=self.gradient_checkpointing), mixed_precision(model):
                 for _ in range(self.passes):
                     self.optimizer.zero_grad(set_to_none=True)
                     loss_sum = clip_low = clip_high = kl_sum = 0.0
