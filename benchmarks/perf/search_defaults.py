@@ -19,8 +19,10 @@ mean and 95% t-interval, with better / equal / worse seed counts.
 
 The seeds: world seed ``shape_index + 3 * i`` for i in ``--first-seed ..``; the defaults were developed
 on seeds from 10000 up (``--first-seed 10000``) and compile()'s default seed was settled on i = 0..39
-(``search_defaults.md``); ``--first-seed 2000`` (world seeds 6000 up) is a block no tuning saw, the
-confirmation (``search_defaults_fresh.md``). The world seed
+(``search_defaults.md``); ``--first-seed 2000`` (world seeds 6000 up) was the confirmation of those
+defaults (``search_defaults_fresh.md``); the kinds' exploration and ``finalists=0`` (issue 27) were
+tuned on i = 0..19 and 10000..10019 and confirmed on ``--first-seed 8000`` (world seeds 24000 up,
+``search_defaults_confirm.md``, ``search_defaults_bfrs8_confirm.md``). The world seed
 draws the task (examples, their difficulties and demo qualities); every optimizer runs at its own
 default seed, as a user who passes no settings gets it (``compile()``: 0, whose shuffled bootstraps are
 BFRS's own candidates, so the pair differs only by what the search adds and prunes).
