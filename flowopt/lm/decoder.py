@@ -146,8 +146,8 @@ class Decoder:
         they need would exceed ``budget`` bytes while other rows are running.
 
         The prefill's width is the longest prompt rounded up to ``width_multiple`` (the extra left columns are
-        masked, so no output changes): on CPU every new matmul shape builds and caches a oneDNN kernel, and
-        scoring with exact widths grew the process by hundreds of MB (benchmarks/results/main_command.md).
+        masked, so no output changes): on CPU every new bf16 matmul shape builds and caches a oneDNN kernel,
+        so exact widths grow the process as scoring goes on (benchmarks/results/main_command.md).
         """
         import torch
 

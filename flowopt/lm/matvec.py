@@ -1,9 +1,9 @@
 """A batch-1 decode step on CPU in half precision: every linear layer as a matrix-vector product.
 
 At batch 1 a decode step multiplies one row by each weight matrix. torch's bf16 ``F.linear`` sends it to a
-oneDNN matmul; ``torch.mv`` on the same weight runs torch's own vectorised GEMV, which on this 2-core Xeon
-took 30% less CPU for Gemma 3 270M's 262k x 640 output projection (38 against 55 ms, one thread) and
-about 14% less for a whole decode step (benchmarks/results/decode_profile.md). :class:`SingleRowMatVec`
+oneDNN matmul; ``torch.mv`` on the same weight runs torch's own vectorised GEMV, which took less CPU on
+the CPU measured (figures, and the load they were measured under: benchmarks/results/decode_profile.md).
+:class:`SingleRowMatVec`
 is a ``TorchFunctionMode`` that rewrites ``F.linear`` calls whose input is one row of a half-precision
 dtype; everything else (float32, batches, prefill, LoRA's float32 adapters) runs unchanged. The decode
 loop (:mod:`flowopt.lm.decoder`) enters it around eager batch-1 steps on CPU.

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     import torch
 
 #: Widths of prefill batches (:class:`~flowopt.lm.decoder.Decoder`) and training micro-batches are padded to a
-#: multiple of this, so that a few shapes repeat: on CPU each new matmul shape costs a oneDNN kernel build and
-#: about 5.7 MB of cached kernels on Gemma 3 270M (benchmarks/results/main_command.md).
+#: multiple of this, so that a few shapes repeat: on CPU each new bf16 matmul shape costs a oneDNN kernel build
+#: and the memory of its cached kernels (measured: benchmarks/results/main_command.md).
 WIDTH_MULTIPLE = 64
 
 
