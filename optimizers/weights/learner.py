@@ -18,10 +18,12 @@ the reported numbers are the whole batch's. A pass whose gradient norm is NaN or
 (:class:`~flowopt.optimizers.weights.optim.StepGuard`; ``nonfinite_grad`` in the stats and the curve).
 
 Memory: a micro-batch holds at most ``micro_batch_size`` sequences and ``micro_batch_tokens`` padded
-positions (the training forward keeps activations for each until its backward pass). A model in bf16 or
-fp16 whose LoRA weights are float32 (PEFT's default) is trained under ``torch.autocast`` in the model's
-dtype, as TRL trains it with ``bf16=True``: PEFT would otherwise keep a float32 copy of the input of every
-adapted layer for the backward pass (on Gemma 3 270M about a fifth of the activations); the optimizer
+positions (the training forward keeps activations for each until its backward pass). A half-precision
+model's micro-batch widths are padded to :data:`~flowopt.lm.packing.WIDTH_MULTIPLE`, as SFT's, and after an
+update the freed activations' pages go back to the OS (:func:`~flowopt.lm.allocator.release_freed_memory`).
+A model in bf16 or fp16 whose LoRA weights are float32 (PEFT's default) is trained under ``torch.autocast``
+in the model's dtype, as TRL trains it with ``bf16=True``: PEFT would otherwise keep a float32 copy of the
+input of every adapted layer for the backward pass (on Gemma 3 270M about a fifth of the activations); the optimizer
 still steps float32 weights.
 """
 
