@@ -7,8 +7,9 @@ calling thread** (``time.thread_time``) with one torch thread, the minimum over 
 (still by their use of the memory bus, hence the minimum). Pieces, all on the LocalLM's own decode loop
 (:class:`~flowopt.lm.decoder.Decoder`, static cache) after a GSM8K-style prompt:
 
-- the whole step (``Decoder.step``: body, output projection, greedy pick), with and without
-  :class:`~flowopt.lm.matvec.SingleRowMatVec` (alternating rounds);
+- the whole step (``Decoder.step``: body, output projection, greedy pick), and the same step with every
+  one-row linear computed as ``torch.mv`` (:class:`SingleRowMatVec`, alternating rounds): torch's own GEMV
+  instead of oneDNN's one-row matmul, an alternative measured here and not adopted (the results' notes);
 - the body (18 layers and the final norm) and the output projection (262k x 640, float32 logits) alone;
 - the body's 126 linear layers alone (the same weights, one row each), 18 SDPA calls over the cache, and
   108 Gemma3 RMSNorm calls (6 a layer): what is left of the body is per-op dispatch and small ops;
@@ -29,6 +30,25 @@ logger = logging.getLogger(__name__)
 SMOKE = {"rounds": 1, "steps": 1, "model": "tiny"}
 PROMPT = ("Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
           "How many clips did Natalia sell altogether in April and May? Reasoning: Let's think step by step.")
+
+
+class SingleRowMatVec:
+    """A ``TorchFunctionMode`` (built on first use) computing ``F.linear`` of one half-precision row as ``torch.mv``."""
+
+    def __new__(cls) -> Any:
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                kwargs = kwargs or {}
+                if func is torch.nn.functional.linear and len(args) >= 2 and len(args) + len(kwargs) == 2:
+                    x, weight = args
+                    if x.dtype in (torch.bfloat16, torch.float16) and x.numel() == weight.shape[1]:
+                        return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
+                return func(*args, **kwargs)
+
+        return Mode()
 
 
 def cpu_ms(fn: Callable[[], Any], steps: int, rounds: int) -> float:
@@ -97,7 +117,6 @@ def measure(local: Any, steps: int, rounds: int) -> dict[str, Any]:
 
     from flowopt.lm.decode import Row
     from flowopt.lm.decoder import Decoder, DecodeRun
-    from flowopt.lm.matvec import SingleRowMatVec
     from flowopt.lm.sampling import RowSettings
 
     model, tokenizer = local.model, local.tokenizer

@@ -242,7 +242,7 @@ class Decoder:
     def _decode(self, view: Any, ids: torch.Tensor, positions: torch.Tensor, mask: Any) -> torch.Tensor:
         parts = self.parts()
         if not self.settings.enabled or _compile_failure:
-            return self._eager(parts, view, ids, positions, mask)
+            return _forward(parts, view, ids, positions, mask)
         shape = (int(ids.shape[0]), self.cache.length)
         first = shape not in self._shapes
         began = time.perf_counter()
@@ -256,7 +256,7 @@ class Decoder:
             logger.warning("torch.compile of the decode step failed (%s); decoding eagerly from now on",
                            _compile_failure[0][:300])
             self.stats.eager_reason = _compile_failure[0]
-            return self._eager(parts, view, ids, positions, mask)
+            return _forward(parts, view, ids, positions, mask)
         if first:
             self._shapes.add(shape)
             seconds = time.perf_counter() - began
@@ -264,16 +264,6 @@ class Decoder:
             logger.info("first decode step of batch %d, cache length %d (compiling or recording it) took %.1f s",
                         *shape, seconds)
         return logits
-
-    def _eager(self, parts: Halves, view: Any, ids: torch.Tensor, positions: torch.Tensor, mask: Any) -> torch.Tensor:
-        """The step without compiling; a half-precision batch of one on CPU multiplies by each weight as a
-        matrix-vector product (:mod:`flowopt.lm.matvec`: less CPU than oneDNN's matmul of one row)."""
-        from flowopt.lm import matvec
-
-        if matvec.applies(self.device, self.cache.dtype, int(ids.shape[0])):
-            with matvec.SingleRowMatVec():
-                return _forward(parts, view, ids, positions, mask)
-        return _forward(parts, view, ids, positions, mask)
 
     def _compiled_step(self) -> Any:
         if self._compiled is None:
