@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import dspy
 import pytest
 
@@ -87,6 +89,60 @@ def test_dspy_state_files_record_the_spec_and_load_back(tiny_local):
     engine = LocalEngine.load_state(state["engine"]["state"])
     assert engine.local.source == tiny_local.source
     assert "api_key" not in str(state)
+
+
+FRESH_LOAD = """
+import json, sys
+
+import dspy
+
+before = sorted(m for m in sys.modules if m.startswith("flowopt"))
+predict = dspy.Predict("question -> answer")
+predict.load(sys.argv[1], allow_unsafe_lm_state=True)  # imports flowopt.lm.engine, the saved engine's module
+dspy_lm = predict.lm
+
+import flowopt
+
+workflow_lm = flowopt.load(sys.argv[2]).lm_for("predict")  # built from the saved spec on first use
+print(json.dumps({
+    "before": before,
+    "types": [type(lm).__name__ for lm in (dspy_lm, workflow_lm)],
+    "sources": [lm.local.source for lm in (dspy_lm, workflow_lm)],
+    "one_copy": dspy_lm.local is workflow_lm.local,
+    "kwargs": [dspy_lm.kwargs, workflow_lm.kwargs],
+    "outputs": [lm("hello", cache=False, temperature=0.0) for lm in (dspy_lm, workflow_lm)],
+}))
+"""
+
+
+def test_saved_programs_with_a_local_lm_load_in_a_fresh_process(tiny_local, tmp_path):
+    """A new process that imports only what loading imports rebuilds the local LM from a file: DSPy's state
+    format (its loader imports ``flowopt.lm.engine`` by the saved class path and calls ``load_state``, which
+    builds the LocalLM through the builder ``flowopt.lm.local`` registers) and a flowopt workflow document."""
+    import subprocess
+    import sys
+
+    import flowopt
+    from flowopt.modules import Predict
+
+    predict = dspy.Predict("question -> answer")
+    predict.lm = tiny_local.lm.copy(max_tokens=6)
+    predict.save(str(tmp_path / "predict.json"))
+    wf = flowopt.chain("question -> answer", Predict("question -> answer"))
+    wf.lms["default"] = tiny_local.lm
+    wf.node_lms["predict"] = "default"
+    wf.save(tmp_path / "workflow.json")
+
+    run = subprocess.run([sys.executable, "-c", FRESH_LOAD, str(tmp_path / "predict.json"),
+                          str(tmp_path / "workflow.json")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    loaded = json.loads(run.stdout.strip().splitlines()[-1])
+    assert loaded["before"] == []  # nothing of flowopt was imported by hand before DSPy's loader ran
+    assert loaded["types"] == ["LocalDSPyLM", "LocalDSPyLM"]
+    assert loaded["sources"] == [tiny_local.source, tiny_local.source] and loaded["one_copy"]
+    assert loaded["kwargs"][0] == {"temperature": 0.0, "max_tokens": 6}
+    expected = [lm("hello", cache=False, temperature=0.0) for lm in (predict.lm, tiny_local.lm)]
+    assert loaded["outputs"] == expected  # float32 on CPU: the same weights give the same tokens
 
 
 def test_the_workflow_ir_round_trips_a_local_lm(tiny_local):
