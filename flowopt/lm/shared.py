@@ -42,7 +42,7 @@ def shared_local_lm(spec: Mapping[str, Any]) -> LocalLM:
 
     Workflows name the same local model in many nodes; they must share one copy of the weights.
     """
-    if _builder is None:  # not through the package, which imports flowopt.lm.local first; said, if that changes
+    if _builder is None:  # unreachable through the package (it imports flowopt.lm.local first); said if that changes
         raise LMError("no LocalLM builder is registered: flowopt.lm.local, which registers it, was not imported",
                       fix="import flowopt.lm.local (importing the package flowopt.lm does) before loading local models")
     model = str(spec.get("model", ""))

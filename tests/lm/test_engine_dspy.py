@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import dspy
@@ -91,6 +92,19 @@ def test_dspy_state_files_record_the_spec_and_load_back(tiny_local):
     assert "api_key" not in str(state)
 
 
+@contextlib.contextmanager
+def twin_of(local):
+    """A LocalLM with ``local``'s spec, for tests that attach adapters (the session's ``tiny_local`` keeps none:
+    PEFT leaves the base weights frozen after an adapter comes off)."""
+    from flowopt.lm import LocalLM
+
+    twin = LocalLM.from_spec(local.to_spec())
+    try:
+        yield twin
+    finally:
+        twin.close()
+
+
 FRESH_LOAD = """
 import json, sys
 
@@ -130,9 +144,9 @@ def test_saved_programs_with_a_local_lm_load_in_a_fresh_process(tiny_local, tiny
     from flowopt.modules import Predict
 
     files = [tmp_path / "plain.json", tmp_path / "adapter.json", tmp_path / "workflow.json"]
-    adapted = saved_adapter_lm(tiny_local, make_adapter(tiny_model_dir, tmp_path / "adapter", seed=1))
-    saved = [tiny_local.lm.copy(max_tokens=6), adapted]
-    try:
+    with twin_of(tiny_local) as twin:  # the adapter goes on a LocalLM of the same spec
+        adapted = saved_adapter_lm(twin, make_adapter(tiny_model_dir, tmp_path / "adapter", seed=1))
+        saved = [tiny_local.lm.copy(max_tokens=6), adapted]
         for lm, path in zip(saved, files):
             predict = dspy.Predict("question -> answer")
             predict.lm = lm
@@ -142,8 +156,6 @@ def test_saved_programs_with_a_local_lm_load_in_a_fresh_process(tiny_local, tiny
         wf.node_lms["predict"] = "default"
         wf.save(files[2])
         expected = [lm("hello", cache=False, temperature=0.0) for lm in (*saved, tiny_local.lm)]
-    finally:
-        tiny_local.unload_adapter(adapted.adapter)  # the fixture is shared by the session
 
     run = subprocess.run([sys.executable, "-c", FRESH_LOAD, *map(str, files)], capture_output=True, text=True,
                          timeout=300)
@@ -164,13 +176,10 @@ def test_a_saved_adapter_lm_refuses_other_adapter_weights(tiny_local, tiny_model
     from flowopt.lm.pinned import saved_adapter_lm
 
     folder = make_adapter(tiny_model_dir, tmp_path / "adapter", seed=1)
-    adapted = saved_adapter_lm(tiny_local, folder)
-    try:
+    with twin_of(tiny_local) as twin:
         predict = dspy.Predict("question -> answer")
-        predict.lm = adapted
+        predict.lm = saved_adapter_lm(twin, folder)
         predict.save(str(tmp_path / "program.json"))
-    finally:
-        tiny_local.unload_adapter(adapted.adapter)
     other = make_adapter(tiny_model_dir, tmp_path / "other", seed=2)
     shutil.copy(other / "adapter_model.safetensors", folder / "adapter_model.safetensors")
     with pytest.raises(LMError, match=r"not the \w+ the program recorded"):
