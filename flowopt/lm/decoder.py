@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from flowopt.errors import ConfigError
 from flowopt.lm.decode import Row, StopCheck, choose
 from flowopt.lm.forward import Halves, halves
 from flowopt.lm.packing import WIDTH_MULTIPLE, eos_ids, left_padded, pad_id, padded_length
@@ -113,7 +114,8 @@ class Decoder:
     def __init__(self, get_model: Any, tokenizer: Any, *, compile: CompileSettings | None = None,
                  stats: DecodeStats | None = None, width_multiple: int = WIDTH_MULTIPLE) -> None:
         if width_multiple < 1:
-            raise ValueError(f"width_multiple must be >= 1, got {width_multiple}")
+            raise ConfigError(f"width_multiple must be >= 1, got {width_multiple}",
+                              fix="pass 1 for exact prefill widths, or a larger multiple to bound the shapes")
         self._get_model = get_model
         self.width_multiple = width_multiple  # prefill widths are padded to a multiple of it (masked columns)
         self.tokenizer = tokenizer

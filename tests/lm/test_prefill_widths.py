@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flowopt.errors import ConfigError
 from flowopt.lm.decode import Row
 from flowopt.lm.decoder import Decoder, DecodeRun
 from flowopt.lm.packing import WIDTH_MULTIPLE, padded_length
@@ -79,5 +80,5 @@ def test_the_model_sees_only_bucketed_prefill_widths(tiny_local):
     assert all(w % WIDTH_MULTIPLE == 0 for w in prefills)
     assert prefills[0] == prefills[1] == WIDTH_MULTIPLE  # different longest prompts, one shape
     assert prefills[3] == padded_length(len(long_prompt), WIDTH_MULTIPLE) > WIDTH_MULTIPLE
-    with pytest.raises(ValueError, match="width_multiple"):
+    with pytest.raises(ConfigError, match="width_multiple"):
         Decoder(lambda: model, tokenizer, width_multiple=0)
