@@ -15,9 +15,6 @@ FIGURE = re.compile(
     r"|\b\d+(?:\.\d+)? ?x (?:faster|slower)\b"  # 2.1x faster
     r"|\[\+\d*\.\d+, [-+]\d*\.\d+\]|\[[-+]\d*\.\d+, \+\d*\.\d+\]"  # an interval such as [-0.012, +0.031]
     r"|\b\d+(?:\.\d+)? ?[GM]iB (?:peak|RSS)\b|\bpeak (?:RSS|memory) of \d+(?:\.\d+)? ?[GM]iB")  # 3.69 GiB peak
-#: Figures still in a docstring of a file another helper owned this session, each (file, function); every entry
-#: must still match, so the allowance goes when the figure does.
-PENDING = {("flowopt/lm/loading.py", "pick_dtype")}
 
 
 def figures(paths: list[Path], root: Path = ROOT) -> set[tuple[str, str, str]]:
@@ -35,7 +32,7 @@ def figures(paths: list[Path], root: Path = ROOT) -> set[tuple[str, str, str]]:
 def test_no_library_docstring_quotes_a_measured_figure():
     paths = sorted(path for folder in LIBRARY_FOLDERS for path in (ROOT / folder).rglob("*.py"))
     found = figures(paths)
-    assert {(file, name) for file, name, _ in found} == PENDING, sorted(found)
+    assert found == set(), sorted(found)
 
 
 def test_the_check_sees_figures_and_not_doctest_values(tmp_path):
