@@ -12,16 +12,16 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from flowopt.lm.completion_adapter import AutoAdapter, CompletionAdapter, adapter_for
+from flowopt.lm.engine import LocalDSPyLM, LocalEngine, local_of
 
-if TYPE_CHECKING:
-    from flowopt.lm.engine import LocalDSPyLM, LocalEngine, local_of
-    from flowopt.lm.local import LocalLM
-    from flowopt.lm.sampling import RowSettings, Sample
-    from flowopt.lm.served_engine import ServerEngine
-    from flowopt.lm.shared import lm_from_spec, shared_local_lm
+# Importing flowopt.lm.local registers LocalLM as the builder of shared models (flowopt.lm.shared). Python runs
+# this file before any module of the package, so a process that only imports flowopt.lm.engine (as DSPy does to
+# rebuild a saved program's engine, LocalEngine.load_state) has the builder too.
+from flowopt.lm.local import LocalLM
+from flowopt.lm.sampling import RowSettings, Sample
+from flowopt.lm.served_engine import ServerEngine
+from flowopt.lm.shared import lm_from_spec, shared_local_lm
 
 __all__ = [
     "AutoAdapter",
@@ -37,23 +37,3 @@ __all__ = [
     "local_of",
     "shared_local_lm",
 ]
-
-_LAZY = {
-    "LocalLM": "flowopt.lm.local",
-    "LocalEngine": "flowopt.lm.engine",
-    "LocalDSPyLM": "flowopt.lm.engine",
-    "RowSettings": "flowopt.lm.sampling",
-    "Sample": "flowopt.lm.sampling",
-    "ServerEngine": "flowopt.lm.served_engine",
-    "lm_from_spec": "flowopt.lm.shared",
-    "local_of": "flowopt.lm.engine",
-    "shared_local_lm": "flowopt.lm.shared",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'flowopt.lm' has no attribute {name!r}")

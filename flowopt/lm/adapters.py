@@ -41,6 +41,9 @@ class AdapterSet:
         self._disabled = 0
         self._peft_active: str | None = None  # PEFT's active adapter
         self._layers_on = False  # adapter layers enabled
+        # PEFT freezes the base weights when the first adapter goes on and leaves them frozen when the last
+        # comes off; these are the ones that were trainable before, thawed again by unload_adapter.
+        self._trainable_base: list[Any] = []
 
     @property
     def adapters(self) -> list[str]:
@@ -134,6 +137,7 @@ class AdapterSet:
             before = self._selected()
             try:
                 if not self._adapters:
+                    self._trainable_base = self._trainable_parameters()
                     self._model = PeftModel.from_pretrained(self._model, str(folder), adapter_name=name,
                                                             is_trainable=trainable)
                 else:
@@ -161,12 +165,16 @@ class AdapterSet:
                 raise ConfigError(f"an adapter named {name!r} is already attached", fix="pass another name=")
             before = self._selected()
             if not self._adapters:
+                self._trainable_base = self._trainable_parameters()
                 self._model = get_peft_model(self._model, config, adapter_name=name)
             else:
                 self._model.add_adapter(name, config)
             self._adapters[name] = {"path": None, "fingerprint": uuid.uuid4().hex[:12]}
             self._after_attach(name, activate, before)
             return self._model
+
+    def _trainable_parameters(self) -> list[Any]:
+        return [p for p in self._model.parameters() if p.requires_grad]
 
     def _after_attach(self, name: str, activate: bool, before: str | None) -> None:
         # After attaching, PEFT computes with ``name`` (first adapter) or with its previous active one;
@@ -187,6 +195,9 @@ class AdapterSet:
             del self._adapters[name]
             if not self._adapters:
                 self._model = self._model.unload()  # drops the LoRA layers, no merge
+                for parameter in self._trainable_base:
+                    parameter.requires_grad_(True)
+                self._trainable_base = []
                 self._default, self._peft_active, self._layers_on = None, None, False
                 return
             self._model.delete_adapter(name)

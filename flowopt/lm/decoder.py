@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from flowopt.errors import ConfigError
 from flowopt.lm.decode import Row, StopCheck, choose
 from flowopt.lm.forward import Halves, halves
-from flowopt.lm.packing import eos_ids, left_padded, pad_id
+from flowopt.lm.packing import WIDTH_MULTIPLE, eos_ids, left_padded, pad_id, padded_length
 from flowopt.lm.slots import SlotCache, power_of_two
 from flowopt.lm.stats import DecodeStats
 
@@ -111,8 +112,12 @@ class Decoder:
     """
 
     def __init__(self, get_model: Any, tokenizer: Any, *, compile: CompileSettings | None = None,
-                 stats: DecodeStats | None = None) -> None:
+                 stats: DecodeStats | None = None, width_multiple: int = WIDTH_MULTIPLE) -> None:
+        if width_multiple < 1:
+            raise ConfigError(f"width_multiple must be >= 1, got {width_multiple}",
+                              fix="pass 1 for exact prefill widths, or a larger multiple to bound the shapes")
         self._get_model = get_model
+        self.width_multiple = width_multiple  # prefill widths are padded to a multiple of it (masked columns)
         self.tokenizer = tokenizer
         model = get_model()
         self.settings = compile or CompileSettings()
@@ -140,12 +145,18 @@ class Decoder:
 
     def admit(self, run: DecodeRun, rows: Sequence[Row], *, budget: int | None = None) -> bool:
         """Prefill ``rows`` into free slots and pick their first tokens; False (nothing done) when the cache
-        they need would exceed ``budget`` bytes while other rows are running."""
+        they need would exceed ``budget`` bytes while other rows are running.
+
+        The prefill's width is the longest prompt rounded up to ``width_multiple`` (the extra left columns are
+        masked, so no output changes): on CPU every new bf16 matmul shape builds and caches a oneDNN kernel,
+        so exact widths grow the process as scoring goes on (benchmarks/results/main_command.md).
+        """
         import torch
 
         if not rows:
             return True
-        cache, width = self.cache, max(len(r.prompt) for r in rows)
+        cache = self.cache
+        width = padded_length(max(len(r.prompt) for r in rows), self.width_multiple)
         n = len(run.rows)
         if n == 0:
             run.t = width
@@ -166,7 +177,8 @@ class Decoder:
             if run.generator is None:
                 row.seed_stream(self.device)
         with torch.inference_mode():
-            ids, _, positions = (t.to(self.device) for t in left_padded([r.prompt for r in rows], self.pad))
+            padded = left_padded([r.prompt for r in rows], self.pad, pad_to_multiple_of=self.width_multiple)
+            ids, _, positions = (t.to(self.device) for t in padded)
             view = cache.view(n, n + len(rows))
             cache.set_column(view, run.t - width)
             starts = torch.tensor([r.start for r in rows], device=self.device)

@@ -33,6 +33,7 @@ from dspy.lm15 import (
 from flowopt.errors import LMError
 from flowopt.lm.batching import LockstepBatcher
 from flowopt.lm.sampling import RowSettings, Sample
+from flowopt.lm.shared import shared_local_lm
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -203,8 +204,8 @@ class LocalEngine:
 
     @classmethod
     def load_state(cls, state: dict[str, Any]) -> LocalEngine:
-        from flowopt.lm.shared import shared_local_lm
-
+        # The process's LocalLM for the saved spec, built by the builder flowopt.lm.local registered (the
+        # package imported it before this module): the engine never imports the module that imports it.
         return cls(shared_local_lm(state))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LocalEngine:
@@ -223,12 +224,24 @@ class LocalDSPyLM(dspy.LM):
     ``engine`` defaults to a :class:`LocalEngine` on the LocalLM's own weights; a subclass pins other
     weights by passing its own (see :class:`~flowopt.lm.pinned.AdapterLM`).
 
+    A program saved with DSPy (``program.save("p.json")``) records this LM as its class, settings and
+    engine; ``program.load("p.json", allow_unsafe_lm_state=True)`` rebuilds the engine on the process's
+    shared LocalLM for the saved spec and then calls ``LocalDSPyLM(**state)``: without ``local`` the LM is
+    the engine's, and the saved ``model`` string is dropped (name and tag are the LocalLM's).
+
     Example:
         >>> lm = local.lm  # doctest: +SKIP
         >>> lm.copy(temperature=0.7)("Once upon a time")  # doctest: +SKIP
     """
 
-    def __init__(self, local: LocalLM, *, engine: LocalEngine | None = None, **kwargs: Any) -> None:
+    def __init__(self, local: LocalLM | None = None, *, engine: LocalEngine | None = None,
+                 model: str | None = None, **kwargs: Any) -> None:
+        if local is None:
+            if engine is None:
+                raise LMError("LocalDSPyLM needs a LocalLM or the LocalEngine of one",
+                              fix="use local.lm, or LocalDSPyLM(local)")
+            local = engine.local
+        del model  # a saved "local/<name>@<tag>": the name and tag in use are the LocalLM's (see `model`)
         self._local = local
         self._model_name = f"local/{local.name}"
         super().__init__(self._model_name, engine=engine or LocalEngine(local), **kwargs)

@@ -42,8 +42,7 @@ def pick_dtype(device: str, dtype: str | torch.dtype | None = None) -> torch.dty
 
     bf16 on CUDA (when supported) and on CPUs with native bf16 (see :func:`cpu_has_native_bf16`): a
     decode step reads every weight once, so halving their bytes nearly halves its time on a CPU, and
-    batched rows cost little more than one (Gemma 3 270M on a 2-core AVX512-BF16 CPU: 58 ms per step
-    at batch 1 and 85 ms at batch 8, against 116 and 202 ms in float32; benchmarks/perf/cpu_bf16_paths.py).
+    batched rows cost little more than one (measured: benchmarks/results/cpu_bf16_paths.md).
     """
     import torch
 

@@ -28,17 +28,17 @@ from flowopt.lm.continuous import ContinuousBatcher
 from flowopt.lm.decode import OnTokens
 from flowopt.lm.decoder import CompileSettings
 from flowopt.lm.decoding import DecodeCapacity
+from flowopt.lm.engine import LocalDSPyLM
 from flowopt.lm.loading import contiguous_output_projection, dir_fingerprint, load_pretrained
 from flowopt.lm.packing import pack
 from flowopt.lm.prompts import RENDER_CACHE_SIZE, Prompt, PromptRendering
 from flowopt.lm.sampling import RowSettings, Sample, derive_seed, sample
 from flowopt.lm.scoring import completion_logprobs
+from flowopt.lm.shared import register_builder
 from flowopt.lm.stats import DecodeStats
 
 if TYPE_CHECKING:
     import torch
-
-    from flowopt.lm.engine import LocalDSPyLM
 
 
 class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
@@ -199,8 +199,6 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
     def lm(self) -> LocalDSPyLM:
         """The ``dspy.LM`` served by this model (created once, shared by every caller)."""
         if self._lm is None:
-            from flowopt.lm.engine import LocalDSPyLM
-
             self._lm = LocalDSPyLM(self, temperature=self.temperature, max_tokens=self.max_new_tokens)
         return self._lm
 
@@ -406,3 +404,8 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
     def __repr__(self) -> str:
         adapter = f", adapter={self.active_adapter!r}" if self._adapters else ""
         return f"LocalLM({self.name!r}, device={str(self.device)!r}, dtype={str(self.dtype)!r}{adapter})"
+
+
+# Shared models (flowopt.lm.shared) and saved engines (LocalEngine.load_state) are built by this class; they
+# find it here rather than import this module, which imports the engine.
+register_builder(LocalLM.from_spec)

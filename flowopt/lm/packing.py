@@ -15,6 +15,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+#: Widths of prefill batches (:class:`~flowopt.lm.decoder.Decoder`) and training micro-batches are padded to a
+#: multiple of this, so that a few shapes repeat: on CPU each new bf16 matmul shape costs a oneDNN kernel build
+#: and the memory of its cached kernels (measured: benchmarks/results/main_command.md).
+WIDTH_MULTIPLE = 64
+
 
 def pad_id(tokenizer: Any) -> int:
     """The id padding columns hold: the pad token, else EOS, else 0."""
@@ -41,19 +46,25 @@ def eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-def left_padded(prompts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask, position_ids)`` of left-padded prompts (every prompt needs a token).
+def left_padded(prompts: Sequence[Sequence[int]], pad: int, *,
+                pad_to_multiple_of: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, position_ids)`` of left-padded prompts (every prompt needs a token), the
+    width rounded up to a multiple of ``pad_to_multiple_of``.
 
     Example:
         >>> ids, mask, positions = left_padded([[5, 6], [7]], pad=0)
         >>> ids.tolist(), positions.tolist()
         ([[5, 6], [0, 7]], [[0, 1], [0, 0]])
+        >>> left_padded([[5, 6], [7]], pad=0, pad_to_multiple_of=3)[0].tolist()
+        [[0, 5, 6], [0, 0, 7]]
     """
     import torch
 
     if any(len(p) == 0 for p in prompts):
         raise ValueError("a prompt has no tokens")
-    width = max(len(p) for p in prompts)
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+    width = padded_length(max(len(p) for p in prompts), pad_to_multiple_of)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     attention = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, prompt in enumerate(prompts):
@@ -121,9 +132,9 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
 def padded_length(length: int, multiple: int) -> int:
     """``length`` rounded up to a multiple of ``multiple``.
 
-    Training pads each micro-batch's width this way: CPU matmuls (oneDNN) build and cache a kernel per
-    input shape, so widths that never repeat cost a kernel build and its cached memory at every
-    micro-batch, while a few widths are built once (benchmarks/results/main_command.md).
+    Training micro-batches and prefill batches pad their width this way (to :data:`WIDTH_MULTIPLE`): CPU
+    matmuls (oneDNN) build and cache a kernel per input shape, so widths that never repeat cost a kernel
+    build and its cached memory at every batch, while a few widths are built once.
 
     Example:
         >>> padded_length(300, 64), padded_length(320, 64)

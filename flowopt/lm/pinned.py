@@ -16,6 +16,7 @@ from typing import Any
 
 from flowopt.errors import ConfigError, FlowoptError, LMError
 from flowopt.lm.engine import LocalDSPyLM, LocalEngine
+from flowopt.lm.shared import shared_local_lm
 from flowopt.lm_spec import lm_to_spec
 
 
@@ -30,6 +31,16 @@ class PinnedEngine(LocalEngine):
         path = self.local.adapter_path(self.adapter)
         spec["adapter"] = None if path is None else str(path)
         return spec
+
+    @classmethod
+    def load_state(cls, state: dict[str, Any]) -> PinnedEngine:
+        """Rebuild a saved engine: the process's shared base model with the saved adapter folder attached
+        (not made the default; :func:`saved_adapter_lm`)."""
+        if not state.get("adapter"):
+            raise LMError("a saved pinned LM names no adapter folder (its adapter was never saved)",
+                          fix="save the adapter (local.save_adapter) before saving the program")
+        base = shared_local_lm({**state, "adapter": None})
+        return cls(base, saved_adapter_lm(base, state["adapter"]).adapter)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PinnedEngine:
         return self
@@ -54,6 +65,25 @@ class AdapterLM(LocalDSPyLM):
         kwargs.setdefault("temperature", local.temperature)
         kwargs.setdefault("max_tokens", local.max_new_tokens)
         super().__init__(local, engine=PinnedEngine(local, adapter), **kwargs)
+
+    @classmethod
+    def load_state(cls, state: dict[str, Any], *, allow_custom_lm_class: bool = False) -> AdapterLM:
+        """Rebuild a program's saved AdapterLM (``program.load(path, allow_unsafe_lm_state=True)``): DSPy
+        rebuilds the engine (:meth:`PinnedEngine.load_state`), the settings are the saved ones, and adapter
+        weights other than the saved ones (the ``@<sha256>`` tag of ``model``) raise :class:`LMError`."""
+        loaded = LocalDSPyLM.load_state(state, allow_custom_lm_class=allow_custom_lm_class)
+        engine = loaded.engine
+        path = engine.local.adapter_path(engine.adapter) if isinstance(engine, PinnedEngine) else None
+        if path is None:
+            raise LMError(f"a saved AdapterLM's engine ({type(engine).__name__}) pins no saved adapter folder",
+                          fix="save the program again from its AdapterLM")
+        sha256 = adapter_sha256(path)
+        saved = str(state.get("model", "")).partition("@")[2]
+        if saved and not sha256.startswith(saved):
+            raise LMError(f"the adapter at {path} has sha256 {sha256[:12]}, not the {saved} the program recorded",
+                          fix="restore the stage's adapter folder, or re-run that stage")
+        return cls(engine.local, engine.adapter, path=path, sha256=sha256, model_type=loaded.model_type,
+                   cache=loaded.cache, num_retries=loaded.num_retries, **loaded.kwargs)
 
     def cache_tag(self) -> str:
         # DSPy's cache keys on the model string: name the adapter's weights, not the adapter's name.

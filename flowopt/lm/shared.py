@@ -1,21 +1,40 @@
-"""The LocalLMs a process shares: one copy of the weights per model spec, and the ``dspy.LM`` of a spec entry."""
+"""The LocalLMs a process shares: one copy of the weights per model spec, and the ``dspy.LM`` of a spec entry.
+
+This module knows no model class. :mod:`flowopt.lm.local` registers how a LocalLM is built from a spec
+(:func:`register_builder`) when it is imported, and the package ``flowopt.lm`` imports it first, so anything
+that reaches this module through the package finds the builder: ``LocalEngine.load_state``, which DSPy calls
+after importing ``flowopt.lm.engine`` to rebuild a saved program's LM, included. Keeping the class out of
+here is what lets the engine share models without importing the module that imports the engine.
+"""
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+
+from flowopt.errors import LMError
 
 if TYPE_CHECKING:
     import dspy
 
     from flowopt.lm.local import LocalLM
 
+#: Builds the LocalLM of a spec (``LocalLM.from_spec``, registered by :mod:`flowopt.lm.local`).
+Builder = Callable[[Mapping[str, Any]], "LocalLM"]
 
+_builder: Builder | None = None
 _shared: weakref.WeakValueDictionary[tuple, LocalLM] = weakref.WeakValueDictionary()
 _shared_lock = threading.Lock()
 _MODEL_KEYS = ("source", "adapter", "chat", "device", "dtype", "batch_wait_ms", "max_batch_size", "compile")
+
+
+def register_builder(builder: Builder) -> None:
+    """Make ``builder`` build the LocalLMs this process shares (:mod:`flowopt.lm.local` registers
+    ``LocalLM.from_spec`` on import; a later registration replaces it, as a reloaded module's does)."""
+    global _builder
+    _builder = builder
 
 
 def shared_local_lm(spec: Mapping[str, Any]) -> LocalLM:
@@ -23,15 +42,16 @@ def shared_local_lm(spec: Mapping[str, Any]) -> LocalLM:
 
     Workflows name the same local model in many nodes; they must share one copy of the weights.
     """
-    from flowopt.lm.local import LocalLM
-
+    if _builder is None:  # unreachable through the package (it imports flowopt.lm.local first); said if that changes
+        raise LMError("no LocalLM builder is registered: flowopt.lm.local, which registers it, was not imported",
+                      fix="import flowopt.lm.local (importing the package flowopt.lm does) before loading local models")
     model = str(spec.get("model", ""))
     name = model[len("local/"):].partition("@")[0] if model.startswith("local/") else model
     key = (name, *(spec.get(k) for k in _MODEL_KEYS))
     with _shared_lock:
         local = _shared.get(key)
         if local is None:
-            local = LocalLM.from_spec(spec)
+            local = _builder(spec)
             _shared[key] = local
         return local
 

@@ -18,10 +18,12 @@ the reported numbers are the whole batch's. A pass whose gradient norm is NaN or
 (:class:`~flowopt.optimizers.weights.optim.StepGuard`; ``nonfinite_grad`` in the stats and the curve).
 
 Memory: a micro-batch holds at most ``micro_batch_size`` sequences and ``micro_batch_tokens`` padded
-positions (the training forward keeps activations for each until its backward pass). A model in bf16 or
-fp16 whose LoRA weights are float32 (PEFT's default) is trained under ``torch.autocast`` in the model's
-dtype, as TRL trains it with ``bf16=True``: PEFT would otherwise keep a float32 copy of the input of every
-adapted layer for the backward pass (on Gemma 3 270M about a fifth of the activations); the optimizer
+positions (the training forward keeps activations for each until its backward pass). A half-precision
+model's micro-batch widths are padded to :data:`~flowopt.lm.packing.WIDTH_MULTIPLE`, as SFT's, and after an
+update the freed activations' pages go back to the OS (:func:`~flowopt.lm.allocator.release_freed_memory`).
+A model in bf16 or fp16 whose LoRA weights are float32 (PEFT's default) is trained under ``torch.autocast``
+in the model's dtype, as TRL trains it with ``bf16=True``: PEFT would otherwise keep a float32 copy of the
+input of every adapted layer for the backward pass (on Gemma 3 270M about a fifth of the activations); the optimizer
 still steps float32 weights.
 """
 
@@ -34,7 +36,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flowopt.lm.packing import PackedBatch, micro_batches, pack
+from flowopt.lm.allocator import release_freed_memory
+from flowopt.lm.packing import WIDTH_MULTIPLE, PackedBatch, micro_batches, pack, padded_length
 from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.distributed import SINGLE, World
 from flowopt.optimizers.weights.loss import aggregate, sequence_weights, token_loss
@@ -65,11 +68,17 @@ def mixed_precision(model: Any) -> Iterator[None]:
         yield
 
 
-def _half_precision_with_float32_adapter(model: Any) -> bool:
+def _half_precision(model: Any) -> bool:
     import torch
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if next(base.parameters()).dtype not in (torch.bfloat16, torch.float16):
+    return next(base.parameters()).dtype in (torch.bfloat16, torch.float16)
+
+
+def _half_precision_with_float32_adapter(model: Any) -> bool:
+    import torch
+
+    if not _half_precision(model):
         return False
     return any(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
 
@@ -191,12 +200,17 @@ class GRPOLearner:
         rollouts = self._rollout_ids(items)
         weights = sequence_weights([len(t.completion_ids) for t in items], rollouts, self.aggregation,  # type: ignore[arg-type]
                                    batch_tokens=batch_tokens, batch_rollouts=batch_rollouts)
-        # Similar lengths together: less padding in every forward pass.
-        lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in items]
+        # Similar lengths together: less padding in every forward pass. A half-precision model pads widths to a
+        # multiple (the token budget counts them padded), so shapes repeat across updates: its CPU matmuls build
+        # and cache oneDNN kernels per shape (flowopt.lm.packing.WIDTH_MULTIPLE). float32 keeps exact widths:
+        # its matmuls cache nothing per shape, and the seeded float32 runs keep their recorded rounding.
+        multiple = WIDTH_MULTIPLE if _half_precision(self.policy.model) else 1
+        lengths = [padded_length(len(t.prompt_ids) + len(t.completion_ids), multiple) for t in items]
         micros = []
         for rows in micro_batches(lengths, max_rows=self.micro, max_tokens=self.micro_tokens):
             chunk = [items[i] for i in rows]
-            batch = pack([t.prompt_ids for t in chunk], [t.completion_ids for t in chunk], self.policy.pad_id)
+            batch = pack([t.prompt_ids for t in chunk], [t.completion_ids for t in chunk], self.policy.pad_id,
+                         pad_to_multiple_of=multiple)
             sampler = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)
             for row, t in enumerate(chunk):
                 sampler[row, :len(t.sampler_logprobs)] = torch.as_tensor(t.sampler_logprobs, dtype=torch.float32)
@@ -266,6 +280,10 @@ class GRPOLearner:
                     stats.clip_low, stats.clip_high = clip_low / total_tokens, clip_high / total_tokens
                     stats.kl = kl_sum / total_tokens
             self.optimizer.zero_grad(set_to_none=True)
+            del micros
+            # The update's activations are freed, but glibc keeps their pages unless asked; rollouts decode on
+            # another thread's arena (flowopt.lm.allocator).
+            release_freed_memory()
             policy.weights_changed()
         stats.sampler_logprob_gap = world.sum_floats([stats.sampler_logprob_gap])[0]
         self.guard.record(not stats.nonfinite_grad, f"update {update}")

@@ -25,7 +25,7 @@ import dspy
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
 from flowopt.lm.allocator import release_freed_memory
-from flowopt.lm.packing import micro_batches, pack, padded_length
+from flowopt.lm.packing import WIDTH_MULTIPLE, micro_batches, pack, padded_length
 from flowopt.lm.scoring import completion_logprobs
 from flowopt.optimizers.weights.common import adapter_name, finish, resolve_policy, rollout_adapter
 from flowopt.optimizers.weights.distributed import SINGLE, World, agree_on_budget, current_world
@@ -40,9 +40,6 @@ logger = logging.getLogger(__name__)
 #: Padded positions per training micro-batch: about 1.1 GB of activations on Gemma 3 270M (bf16 base, float32
 #: LoRA); unbounded, the README's finetune peaked at 10 GB of RSS (benchmarks/results/main_command.md).
 DEFAULT_MICRO_BATCH_TOKENS = 768
-#: Micro-batch widths are padded to a multiple of this, so that a few shapes repeat across the steps: on CPU each
-#: new shape costs a oneDNN kernel build and its cached memory (benchmarks/results/main_command.md).
-WIDTH_MULTIPLE = 64
 
 
 def sft_train(policy: Policy, pairs: Sequence[tuple[list[int], list[int]]], *, epochs: int = 3,

@@ -100,6 +100,12 @@ def _cpu_bf16_paths(r: dict[str, Any]) -> None:
     assert set(r["decode_step_ms_float32"]) == {"1", "8"}
 
 
+def _decode_profile(r: dict[str, Any]) -> None:
+    for key in ("step_ms", "step_matvec_ms", "body_ms", "head_ms", "body_linears_ms", "body_sdpa_ms"):
+        assert r[key] > 0, key
+    assert r["kernels"]["mm"] > 0 or r["kernels"]["addmm"] > 0  # the body's linears were counted
+
+
 def _gemma_weights_demo(r: dict[str, Any]) -> None:
     assert all(0.0 <= r[k] <= 1.0 for k in ("base_heldout", "sft_heldout", "grpo_heldout"))
     assert [p["step"] for p in r["grpo_curve"]] == [1]
@@ -213,6 +219,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "hotpotqa_sft_vs_trl": (("trl",), _hotpotqa_sft_vs_trl),
     "parse_rate": ((), _parse_rate),
     "cpu_bf16_paths": ((), _cpu_bf16_paths),
+    "decode_profile": ((), _decode_profile),
     "gemma_weights_demo": ((), _gemma_weights_demo),
     "grpo_throughput": (("trl",), _grpo_throughput),
     "grpo_server": ((), _grpo_server),

@@ -112,3 +112,19 @@ def test_a_call_can_pin_its_weights_whatever_is_active(local, tiny_model_dir, tm
     assert local.active_adapter == "b"
     with pytest.raises(ConfigError, match="no adapter"):
         local.complete_ids(prompt, row, adapter="missing")
+
+
+def test_unloading_the_last_adapter_leaves_the_base_weights_as_trainable_as_before(local, tiny_model_dir, tmp_path,
+                                                                                   make_adapter):
+    # PEFT freezes the base weights when an adapter goes on; taking the last one off must thaw them again, or a
+    # later gradient through the base model (a user's own fine-tuning, token_logprobs with grad) silently has none.
+    frozen = next(local.model.parameters())
+    frozen.requires_grad_(False)  # a weight the user froze stays frozen
+    trainable_before = {name for name, p in local.model.named_parameters() if p.requires_grad}
+    assert trainable_before
+    local.load_adapter(make_adapter(tiny_model_dir, tmp_path / "a", seed=1))
+    local.add_adapter("fresh", activate=False)
+    local.unload_adapter("a")
+    local.unload_adapter("fresh")
+    assert local.adapters == []
+    assert {name for name, p in local.model.named_parameters() if p.requires_grad} == trainable_before

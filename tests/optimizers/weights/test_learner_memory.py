@@ -124,3 +124,31 @@ def test_checkpointed_updates_leave_the_model_as_the_first_rollout_saw_it(tiny_l
     for _ in range(3):
         learner.update(_items(policy, n=4))
     assert _checkpointing_state(policy) == before == (0, [False] * len(before[1]))  # no hook piled up per update
+
+
+def test_a_half_precision_learner_pads_its_widths_to_the_multiple(tiny_local, monkeypatch):
+    """bf16 CPU matmuls build a oneDNN kernel per shape, so a bf16 model's forwards take padded widths (a few
+    shapes repeat); float32 keeps exact widths (the seeded float32 runs keep their recorded rounding)."""
+    from flowopt.lm.packing import WIDTH_MULTIPLE
+
+    policy = Policy(tiny_local, lora=LoraSettings(r=4, alpha=8))
+    policy.start_adapter("widths")
+    items = _items(policy, n=4)
+    widths: list[int] = []
+    original = learner_module.completion_logprobs
+
+    def recorded(model, batch, *args, **kwargs):
+        widths.append(int(batch.input_ids.shape[1]))
+        return original(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(learner_module, "completion_logprobs", recorded)
+    exact = max(len(t.prompt_ids) + len(t.completion_ids) for t in items)
+    _trained(policy, items)
+    assert widths and max(widths) == exact < WIDTH_MULTIPLE
+    widths.clear()
+    model = policy.model
+    model.get_base_model().to(torch.bfloat16)
+    for p in policy.trainable_parameters():
+        p.data = p.data.float()
+    _trained(policy, items)
+    assert widths and set(widths) == {WIDTH_MULTIPLE}
