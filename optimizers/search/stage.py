@@ -27,7 +27,7 @@ scored, its mean there, and for a pruned one the pruner's reason.
 Winner's curse: the best valset score is biased upward. ``finalists=k`` re-scores up to k fully scored
 candidates the valset cannot tell from the leader on training examples that are demos of none of them,
 while their order is uncertain, and picks the best on both (:mod:`.finalists`; off by default: on the
-benchmark's task it moved the pick's test score by -0.0003 [-0.0025, +0.0020] for 29 calls a run).
+search benchmark's task it bought no measurable test score for its calls, ``benchmarks/results/README.md``).
 
 Storage and resume: with a ``run_dir`` the study is an sqlite file, ``search.db`` in the stage's folder
 (``run_dir/stages/NN-search/``), used by one process at a time; a killed search resumes from it
