@@ -3,9 +3,10 @@
 Without a budget the extras are paid for by what pruning saved: the allowance is what BFRS pays for as
 many programs (every planned candidate scored on the whole valset; the incumbent's scores are the
 compiler's baseline), less every call the search made (bootstraps, proposals, pruned and full scores)
-and half a valset kept for the finalists' fresh examples. Under a ``Budget(max_lm_calls=...)`` the
-planned set is cut to half of what the budget pays for (the other half goes to extras of the kinds
-that win), raced 4 at a time, and a wave starts only while the budget pays for it.
+and half a valset kept back (the finalists' fresh examples when they are on, else a margin). Under a
+``Budget(max_lm_calls=...)`` the planned set is cut to half of what the budget pays for (the other half
+goes to extras of the kinds that win), raced 4 at a time, and a wave starts only while the budget pays
+for it.
 
 Example:
     >>> from flowopt.optimizers.search import RandomSearch

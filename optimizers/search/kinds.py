@@ -18,9 +18,14 @@ was ahead of its leader on the examples it was scored on by at least one standar
 difference (``z = (wins - losses) / sqrt(wins + losses) >= 1`` on the discordant examples; a bare lead
 wins too often by chance, as a candidate the same as the leader but for noise would). Each kind's
 win rate has a Beta(1, 1) prior; each extra draws from every available kind's posterior and takes the
-highest draw (Thompson sampling), so kinds that win get more of the calls and a kind that has not
-been tried yet is tried early. The draw is seeded by (seed, candidate number) and reads only
-finished trials: a resumed search repeats an uninterrupted one.
+highest draw (Thompson sampling), so kinds that win get more of the calls. Before that, every
+available kind is tried once (:data:`EXPLORE_ORDER`: the kinds the planned set of bootstraps does not
+already cover first): a draw seeded by the candidate number alone would otherwise give a whole wave
+of extras, all asked before any finishes, to the kind the seed happens to favour, and under a small
+budget that wave is most of the extras. An instruction extra takes an instruction not yet tried on
+the same leader while there is one. The draw is seeded by (seed, candidate number) and reads only
+finished trials (and the kinds of the extras already asked): a resumed search repeats an
+uninterrupted one.
 
 Example:
     >>> import random
@@ -37,10 +42,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 KINDS = ("bootstrap", "subset", "instruction", "settings")
+# The order untried kinds are tried in: the planned candidates are full bootstraps already, so the kinds
+# that change something else come first (under a budget that pays for a few extras, each gets its look).
+EXPLORE_ORDER = ("instruction", "settings", "subset", "bootstrap")
 LEADER = "leader"  # user attr of an extra: the candidate number of the leader it changes
 WIN_Z = 1.0  # a win: ahead of the leader by at least one standard error of the paired difference
 
@@ -73,6 +81,17 @@ def choose_kind(rng: random.Random, available: Sequence[str], record: Mapping[st
     return max(available, key=lambda k: draws[k])
 
 
+def next_kind(rng: random.Random, available: Sequence[str], record: Mapping[str, tuple[int, int]],
+              asked: Collection[str]) -> str:
+    """The kind of the next extra: the first available kind (in :data:`EXPLORE_ORDER`) no extra has been
+    asked of yet, else Thompson sampling over ``record`` (:func:`choose_kind`); ``"subset"`` if none is
+    available."""
+    if not available:
+        return "subset"
+    untried = [k for k in EXPLORE_ORDER if k in available and k not in asked]
+    return untried[0] if untried else choose_kind(rng, available, record)
+
+
 def leader_params(params: Mapping[str, Any], keep: str) -> dict[str, Any]:
     """The leader's parameters of one sort: ``"demos"`` (``p{i}.k``, ``p{i}.d{j}``), ``"instruction"``
     (``p{i}.instr``) or ``"settings"`` (``.temp``, ``.n``)."""
@@ -95,16 +114,19 @@ def plan_extra(study: Any, space: Any, ctx: Any, number: int, sampler: str, n_ca
 
     from flowopt.optimizers.search.study import SCORES, candidate_sampler
 
-    done = [t for t in study.get_trials(deepcopy=False)
-            if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and SCORES in t.user_attrs]
+    trials = study.get_trials(deepcopy=False)
+    done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and SCORES in t.user_attrs]
     by_number = {int(t.user_attrs.get("candidate", t.number)): t for t in done}
     record = kind_record((t.user_attrs["kind"], t.user_attrs[SCORES],
                           by_number[t.user_attrs[LEADER]].user_attrs[SCORES])
                          for t in done if t.user_attrs.get(LEADER) in by_number)
+    # The extras asked before this one (finished or not; by candidate number, so a rerun counts once).
+    earlier = {int(t.user_attrs["candidate"]): t for t in trials
+               if LEADER in t.user_attrs and int(t.user_attrs.get("candidate", number)) < number}
     complete = [t for t in done if t.state == TrialState.COMPLETE]
     rng = random.Random(f"flowopt-kind:{ctx.seed}:{number}")
     available = space.extra_kinds() if complete else [k for k in space.extra_kinds() if k in ("bootstrap", "subset")]
-    kind = choose_kind(rng, available, record) if available else "subset"
+    kind = next_kind(rng, available, record, {t.user_attrs["kind"] for t in earlier.values()})
     attrs: dict[str, Any] = {"candidate": number, "kind": kind}
     params: dict[str, Any] = {}
     if complete:
@@ -113,7 +135,9 @@ def plan_extra(study: Any, space: Any, ctx: Any, number: int, sampler: str, n_ca
         params = dict(leader.params)
         if kind in ("instruction", "settings"):  # the leader's demos, one other instruction or setting
             attrs.update({k: leader.user_attrs[k] for k in ("demos", "demo_sets") if k in leader.user_attrs})
-            params.update(space.change_one(kind, params, rng))
+            tried = [dict(t.params) for t in earlier.values()
+                     if t.user_attrs[LEADER] == attrs[LEADER] and t.user_attrs["kind"] == kind]
+            params.update(space.change_one(kind, params, rng, tried))
         else:  # new demos: the leader's instructions and settings
             params = {**leader_params(params, "instruction"), **leader_params(params, "settings")}
     if kind == "bootstrap":

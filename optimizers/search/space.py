@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -198,20 +198,22 @@ class SearchSpace:
                or any(len(v) > 1 for v in self.ensemble.values())}
         return [k for k in self.kinds if can.get(k)]
 
-    def change_one(self, kind: str, params: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    def change_one(self, kind: str, params: dict[str, Any], rng: random.Random,
+                   tried: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
         """``params`` with one instruction (``kind="instruction"``) or one node setting (``"settings"``)
-        drawn anew among the options other than the current one."""
+        drawn anew among the options other than the current one, and among those not in ``tried`` (the
+        parameters of the changes already made to the same ``params``) while any is left."""
         if kind == "instruction":
             options = {f"p{i}.instr": len(self.instructions[n]) for i, n in enumerate(self.predictors)}
         else:
             options = {**{f"{k}.temp": len(v) for k, v in self.temps.items()},
                        **{f"{k}.n": len(v) for k, v in self.ensemble.items()}}
-        options = {k: n for k, n in options.items() if n > 1}
-        if not options:
+        changes = [(name, i) for name, n in sorted(options.items()) for i in range(n) if i != params.get(name, 0)]
+        if not changes:
             return dict(params)
-        name = rng.choice(sorted(options))
-        current = params.get(name, 0)
-        return {**params, name: rng.choice([i for i in range(options[name]) if i != current])}
+        fresh = [(name, i) for name, i in changes if not any(t.get(name) == i for t in tried)]
+        name, value = rng.choice(fresh or changes)
+        return {**params, name: value}
 
     def apply(self, program: dspy.Module, trial: Any) -> dspy.Module:
         """A copy of ``program`` set up as the trial says (``trial`` may be a live or a frozen trial)."""

@@ -24,10 +24,10 @@ candidates that are behind. Scores are memoised, so the incumbent, the zero-shot
 compiler's final check cost nothing again. The report lists every candidate: its kind, its examples
 scored, its mean there, and for a pruned one the pruner's reason.
 
-Winner's curse: the best of many valset scores is biased upward. The finalists (up to ``finalists``
-fully scored candidates the valset cannot tell from the leader) are re-scored on training examples that
-are demos of none of them, while their order is uncertain; the winner is the best on valset + those
-examples (:mod:`.finalists`); the report gives both scores for each finalist.
+Winner's curse: the best valset score is biased upward. ``finalists=k`` re-scores up to k fully scored
+candidates the valset cannot tell from the leader on training examples that are demos of none of them,
+while their order is uncertain, and picks the best on both (:mod:`.finalists`; off by default: on the
+search benchmark's task it bought no measurable test score for its calls, ``benchmarks/results/README.md``).
 
 Storage and resume: with a ``run_dir`` the study is an sqlite file, ``search.db`` in the stage's folder
 (``run_dir/stages/NN-search/``), used by one process at a time; a killed search resumes from it
@@ -124,7 +124,7 @@ class RandomSearch(Stage):
             clearly behind), ``anytime`` after every example, the other rules at rungs growing 2x.
         parallel: candidates raced at once (default: all planned ones for ``"random"``, 4 for
             ``"tpe"``; extras go 4 at a time).
-        finalists: how many fully scored candidates to re-score against the winner's curse (0: off).
+        finalists: how many fully scored candidates to re-score against the winner's curse (default 0: off).
         instructions: extra candidate instructions per predictor name (``"*"``: every predictor).
         proposer_lm: the LM that writes ``n_proposals`` more instructions per predictor: ``"task"``
             (default) the program's own LM, ``None`` none.
@@ -166,7 +166,7 @@ class RandomSearch(Stage):
     reduction_factor: int = 3
     minibatch_size: int | None = None
     parallel: int | None = None
-    finalists: int = 3
+    finalists: int = 0
     instructions: Mapping[str, Sequence[str]] | None = None
     proposer_lm: Any = "task"
     n_proposals: int = 5

@@ -69,7 +69,7 @@ def _search_defaults(r: dict[str, Any]) -> None:
     # One seed a shape, every method on it, every comparison paired per shape and over all.
     assert list(r["summary"]) == ["demos_only", "needles", "instructions", "all"]
     methods = {"bfrs16", "mipro_light", "gepa_light", "flowopt_defaults", "bfrs8", "flowopt_bfrs8_candidates",
-               "flowopt_bfrs8_candidates_no_finalists", "flowopt_at_mipro_calls", "flowopt_at_gepa_calls"}
+               "flowopt_bfrs8_candidates_finalists", "flowopt_at_mipro_calls", "flowopt_at_gepa_calls"}
     assert [(s["shape"], set(s["rows"])) for s in r["seeds"]] == [
         (shape, methods) for shape in ("demos_only", "needles", "instructions")]
     for seed in r["seeds"]:  # a budgeted row keeps to the calls of the peer it is measured against
@@ -77,8 +77,8 @@ def _search_defaults(r: dict[str, Any]) -> None:
         assert rows["flowopt_at_mipro_calls"]["lm_calls"] <= rows["mipro_light"]["lm_calls"]
         assert rows["flowopt_at_gepa_calls"]["lm_calls"] <= rows["gepa_light"]["lm_calls"]
         assert all(0.0 <= row["test"] <= 1.0 and row["lm_calls"] > 0 for row in rows.values())
-        assert rows["flowopt_bfrs8_candidates_no_finalists"]["search"]["fresh_calls"] == 0  # finalists=0
-        assert rows["flowopt_bfrs8_candidates"]["search"]["fresh_calls"] >= 0
+        assert rows["flowopt_bfrs8_candidates"]["search"]["fresh_calls"] == 0  # finalists=0, the default
+        assert rows["flowopt_bfrs8_candidates_finalists"]["search"]["fresh_calls"] >= 0
     pair = r["summary"]["all"]["pairs"]["flowopt_defaults vs bfrs16"]
     assert pair["n"] == 3 and pair["better"] + pair["equal"] + pair["worse"] == 3
 

@@ -253,7 +253,7 @@ def test_a_call_budget_buys_extra_candidates_and_is_not_exceeded():
 
 def test_finalists_are_rescored_on_fresh_examples_and_both_scores_reported():
     out = _search(category_lm(cache=False), RandomSearch(n_candidates=7, seeded=4, max_demos=3, max_labeled_demos=3,
-                                                         extra=0), valset=BIG_VAL)
+                                                         extra=0, finalists=3), valset=BIG_VAL)
     info = out.report.stage("search").info
     finalists = info["finalists"]
     assert len(finalists) >= 2  # several candidates tie on the valset

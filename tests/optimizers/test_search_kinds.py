@@ -16,7 +16,16 @@ from fakes import category_lm, exact, examples, reverse_answer
 import flowopt
 from flowopt import ConfigError
 from flowopt.optimizers.search import RandomSearch
-from flowopt.optimizers.search.kinds import KINDS, choose_kind, kind_record, leader_params, win
+from flowopt.optimizers.search.kinds import (
+    EXPLORE_ORDER,
+    KINDS,
+    choose_kind,
+    kind_record,
+    leader_params,
+    next_kind,
+    win,
+)
+from flowopt.optimizers.search.space import SearchSpace
 from flowopt.testing import scripted_lm
 
 TRAIN, VAL = examples(15, categories=True), examples(24, 100, categories=True)
@@ -46,6 +55,37 @@ def test_the_bandit_gives_most_draws_to_the_kind_that_wins_and_tries_an_untried_
     assert draws.count("instruction") > 300
 
 
+def test_every_available_kind_is_asked_once_before_the_bandit_draws():
+    available = ("bootstrap", "subset", "instruction")
+    # Untried kinds first, those the planned bootstraps do not cover before the others, whatever the rng.
+    assert EXPLORE_ORDER[0] == "instruction"
+    for seed in range(20):
+        rng = random.Random(seed)
+        assert next_kind(rng, available, {}, set()) == "instruction"
+        assert next_kind(rng, available, {}, {"instruction"}) == "subset"
+        assert next_kind(rng, available, {}, {"instruction", "subset"}) == "bootstrap"
+    # Every kind asked: the bandit decides, and a kind that keeps winning gets the draws.
+    rng = random.Random(0)
+    record = {"bootstrap": (0, 6), "subset": (0, 6), "instruction": (5, 1)}
+    draws = [next_kind(rng, available, record, set(available)) for _ in range(200)]
+    assert draws.count("instruction") > 180
+    assert next_kind(rng, (), {}, set()) == "subset"  # nothing to vary but a sampled subset
+
+
+def test_an_instruction_extra_takes_an_instruction_not_yet_tried_on_the_same_leader():
+    space = SearchSpace()
+    space.predictors, space.instructions = ["self"], {"self": ["original", "a", "b", "c"]}
+    leader = {"p0.instr": 0, "p0.k": 2}
+    tried: list[dict] = []
+    for i in range(3):  # three extras on one leader: the three other instructions, each once
+        params = space.change_one("instruction", leader, random.Random(i), tried)
+        assert params["p0.k"] == 2 and params["p0.instr"] != 0
+        tried.append(params)
+    assert sorted(t["p0.instr"] for t in tried) == [1, 2, 3]
+    # All tried: any other than the leader's own again.
+    assert space.change_one("instruction", leader, random.Random(9), tried)["p0.instr"] in (1, 2, 3)
+
+
 def test_leader_params_split_by_what_they_set():
     params = {"p0.k": 2, "p0.d0": 3, "p0.d1": 1, "p0.instr": 1, "self.temp": 0, "node:a.n": 1}
     assert leader_params(params, "demos") == {"p0.k": 2, "p0.d0": 3, "p0.d1": 1}
@@ -57,6 +97,7 @@ def test_defaults_plan_dspy_bfrs_default_set():
     stage = RandomSearch()
     assert stage.n_candidates == 19 and stage.seeded_count() == 16  # BFRS(16): 16 shuffled + 3
     assert tuple(stage.kinds) == KINDS and stage.proposer_lm == "task"
+    assert stage.finalists == 0  # the winner's-curse re-scoring is off unless asked for
 
 
 def test_unknown_kinds_are_refused_with_a_fix():
@@ -90,6 +131,13 @@ def test_extras_change_the_leader_and_find_the_instruction_the_task_lm_proposed(
     assert sum(row.info["extra_kinds"].values()) == 8 and "instruction" in row.info["extra_kinds"]
     assert row.info["best_kind"] == "instruction" and GOOD in out.predictors()[0].signature.instructions
     assert out.report.best_score == 1.0 > out.report.baseline_score
+
+
+def test_one_wave_of_extras_asks_each_kind_once_not_the_kind_the_seed_favours():
+    # Three extras in one wave, all asked before any finishes: one of each kind the space can make.
+    stage = RandomSearch(n_candidates=4, seeded=1, max_demos=2, max_labeled_demos=2, extra=3, n_proposals=2)
+    row = _run(_instruction_lm(), stage).report.stage("search")
+    assert row.info["extra_kinds"] == {"instruction": 1, "subset": 1, "bootstrap": 1}
 
 
 def test_without_anything_to_vary_but_demos_the_extras_are_bootstraps_and_subsets():

@@ -35,8 +35,10 @@ postgres_cluster, postgres_url = postgres.postgres_cluster, postgres.postgres_ur
 WORKER = Path(__file__).parent / "shared_worker.py"
 # 12 candidates, scored on all 8 valset examples each (no pruning: verdicts would depend on timing).
 # No instruction proposals (the default has the task LM write 5): the kill points below count the plan's calls.
+# Three finalists re-scored (off by default): the workers share that re-scoring too.
 SETTINGS = {"n_candidates": 12, "seeded": 1, "max_demos": 2, "max_labeled_demos": 2, "pool_size": 2,
-            "pruner": "none", "heartbeat_s": 1, "stale_after_s": 4, "wait_timeout_s": 60, "proposer_lm": None}
+            "pruner": "none", "heartbeat_s": 1, "stale_after_s": 4, "wait_timeout_s": 60, "proposer_lm": None,
+            "finalists": 3}
 
 
 def _kill_and_join(victim: subprocess.Popen, survivors: list[subprocess.Popen]) -> None:
