@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from flowopt.optimizers.search.stage import RandomSearch
 
 STAGE_CALLS = "stage_calls"  # study user attr: the LM calls the search has made, over runs (for the allowance)
+BUILD_CALLS = "build_calls"  # study user attr: the LM calls the first run's build of the space made
 
 
 def planned_count(stage: RandomSearch, n_val: int, remaining: int | None) -> int:
@@ -70,6 +71,11 @@ class SearchCalls:
 
     def resume_from(self, study: Any) -> None:
         self.candidates_from -= int(study.user_attrs.get(STAGE_CALLS, 0))
+        # The space's build counts what the first run paid for it: a resumed run rebuilds it from the run_dir's
+        # checkpoint for fewer calls, and counting those would leave it more room for extras than the
+        # uninterrupted run had.
+        self.build = int(study.user_attrs.get(BUILD_CALLS, self.build))
+        study.set_user_attr(BUILD_CALLS, self.build)
 
     def record(self, study: Any) -> int:
         """Keep the candidates' calls in the study; every call used so far."""
@@ -89,3 +95,26 @@ def extras_affordable(stage: RandomSearch, study: Any, planned: int, n_val: int,
     used = calls.record(study)
     room = remaining - n_val // 2 if remaining is not None else (planned - 1) * n_val - used - n_val // 2
     return max(0, min(width, stage.max_extra - done, int(room // max(1.0, _per_candidate(study)))))
+
+
+EXTRA_WAVES = "extra_waves"  # study user attr: the sizes of the extra waves decided so far, over runs
+
+
+def next_extra_wave(stage: RandomSearch, study: Any, planned: int, n_val: int, done: int, width: int,
+                    ctx: StageContext, calls: SearchCalls) -> int:
+    """The size of the next wave of extras (0: stop), kept in the study before the wave starts.
+
+    A resumed search replays the sizes an earlier run decided instead of deciding again: the study
+    then already holds the extras that run finished after its decision, so a fresh decision would read
+    a later state, cut the extras into other waves and ask other candidates than an uninterrupted run.
+    """
+    decided = [int(size) for size in study.user_attrs.get(EXTRA_WAVES, [])]
+    sizes_before, index = 0, 0
+    while index < len(decided) and sizes_before < done:
+        sizes_before, index = sizes_before + decided[index], index + 1
+    if index < len(decided) and sizes_before == done:
+        return decided[index]
+    count = extras_affordable(stage, study, planned, n_val, done, width, ctx, calls)
+    if count > 0:
+        study.set_user_attr(EXTRA_WAVES, [*decided[:index], count])
+    return count

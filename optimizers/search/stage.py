@@ -50,7 +50,7 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
-from flowopt.optimizers.search.allowance import SearchCalls, extras_affordable, planned_count, requests, wave_affordable
+from flowopt.optimizers.search.allowance import SearchCalls, next_extra_wave, planned_count, requests, wave_affordable
 from flowopt.optimizers.search.finalists import (
     candidate_number,
     close_finalists,
@@ -263,7 +263,7 @@ class RandomSearch(Stage):
                 self.race(study, asked, order, ends, ctx, before_tell=lambda: calls.record(study))
                 bar.update(len(asked))
             extra_width = self.parallel or 4
-            while (count := extras_affordable(self, study, planned, n, extras, extra_width, ctx, calls)) > 0:
+            while (count := next_extra_wave(self, study, planned, n, extras, extra_width, ctx, calls)) > 0:
                 wave = next_wave(study, planned + extras + count, count, start=planned + extras)
                 extras += count
                 if not wave:

@@ -54,10 +54,8 @@ def main() -> None:
 
     lm = scripted_lm(answer, latency_s=0.01, model="scripted/kill-test")
     stages = [("demos", {"max_labeled_demos": 4}),
-              # finalists=3 (the default before issue 27): with finalists=0 the resumed run makes ~20 requests
-              # the uninterrupted one does not (same program; also on 8a200e4): a known defect, reported.
               RandomSearch(n_candidates=10, seeded=3, max_demos=3, pool_size=6, sampler="tpe", parallel=3,
-                           max_labeled_demos=4, finalists=3)]
+                           max_labeled_demos=4)]
     with dspy.context(lm=lm):
         out = flowopt.compile(flowopt.chain("question -> answer", Predict("question -> answer")),
                               examples(15, categories=True), exact, valset=examples(24, 100, categories=True),
