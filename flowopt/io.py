@@ -67,11 +67,26 @@ def space_errors(path: str | os.PathLike[str] | None, needed: int | None = None,
     except DiskFullError:
         raise
     except Exception as err:
-        code = _space_errno(err)
-        if code is None:
+        found = _space_cause(err)
+        if found is None:
             raise
-        detail = (str(err).strip().splitlines() or [type(err).__name__])[0] if folder else None
+        code, cause = found
+        detail = (str(cause).strip().splitlines() or [type(cause).__name__])[0] if folder else None
         raise _disk_full(Path(path), needed, code, detail=detail) from err
+
+
+def _space_cause(err: Exception) -> tuple[int, Exception] | None:
+    """The out-of-space errno behind ``err`` and the exception that carries it, ``err`` or what caused it:
+    optuna wraps a write's SQLAlchemy error in its own ``StorageInternalError``, whose text says only that
+    the commit failed."""
+    seen: BaseException | None = err
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, Exception) and (code := _space_errno(seen)) is not None:
+            return code, seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _space_errno(err: Exception) -> int | None:

@@ -61,6 +61,21 @@ def test_other_write_errors_pass_through_unchanged(tmp_path):
         raise RuntimeError("unrelated (os error 2)")  # ENOENT is not a space error
 
 
+def test_a_full_disk_under_optunas_own_error_is_still_a_disk_full_error(tmp_path):
+    # optuna wraps a failed commit in StorageInternalError, whose text only says the commit failed; the SQLite
+    # error that says why is its cause.
+    import sqlite3
+
+    from optuna.exceptions import StorageInternalError
+
+    with pytest.raises(DiskFullError, match="database or disk is full") as caught, space_errors(tmp_path, folder=True):
+        try:
+            raise sqlite3.OperationalError("database or disk is full")
+        except sqlite3.OperationalError as err:
+            raise StorageInternalError("An exception is raised during the commit.") from err
+    assert caught.value.path == str(tmp_path)
+
+
 def test_an_adapter_save_past_the_limit_keeps_the_saved_adapter(tmp_path):
     from flowopt.lm.local import LocalLM
     from flowopt.optimizers.weights.tiny import tiny_causal_lm
