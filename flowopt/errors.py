@@ -6,6 +6,8 @@ Every error a user can cause (bad IR, bad settings, bad data, an exhausted budge
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 class FlowoptError(Exception):
     """Base class of every flowopt error.
@@ -159,3 +161,25 @@ def _clip(text: str) -> str:
     if len(text) <= MAX_MESSAGE_CHARS:
         return text
     return f"{text[:MAX_MESSAGE_CHARS]}... ({len(text) - MAX_MESSAGE_CHARS:,} more characters)"
+
+
+def exception_chain(err: BaseException, limit: int = 8) -> Iterator[BaseException]:
+    """``err`` and what caused it, outermost first (at most ``limit``): libraries wrap the error that says why
+    (optuna's ``StorageInternalError`` around SQLAlchemy's, around SQLite's).
+
+    Example:
+        >>> try:
+        ...     try:
+        ...         raise OSError(28, "No space left on device")
+        ...     except OSError as inner:
+        ...         raise RuntimeError("commit failed") from inner
+        ... except RuntimeError as outer:
+        ...     [type(e).__name__ for e in exception_chain(outer)]
+        ['RuntimeError', 'OSError']
+    """
+    seen: BaseException | None = err
+    for _ in range(limit):
+        if seen is None:
+            return
+        yield seen
+        seen = seen.__cause__ or seen.__context__

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from flowopt.errors import DiskFullError
+from flowopt.errors import DiskFullError, exception_chain
 
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
@@ -79,13 +79,9 @@ def _space_cause(err: Exception) -> tuple[int, Exception] | None:
     """The out-of-space errno behind ``err`` and the exception that carries it, ``err`` or what caused it:
     optuna wraps a write's SQLAlchemy error in its own ``StorageInternalError``, whose text says only that
     the commit failed."""
-    seen: BaseException | None = err
-    for _ in range(8):
-        if seen is None:
-            return None
-        if isinstance(seen, Exception) and (code := _space_errno(seen)) is not None:
-            return code, seen
-        seen = seen.__cause__ or seen.__context__
+    for cause in exception_chain(err):
+        if isinstance(cause, Exception) and (code := _space_errno(cause)) is not None:
+            return code, cause
     return None
 
 

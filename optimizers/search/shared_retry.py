@@ -34,6 +34,8 @@ from typing import Any
 
 from optuna.storages import RDBStorage
 
+from flowopt.errors import exception_chain
+
 logger = logging.getLogger(__name__)
 
 RETRY_S = 60.0  # how long a call keeps trying before the error reaches the search
@@ -55,16 +57,10 @@ def is_connection_error(err: BaseException) -> bool:
     """Whether ``err`` (or what caused it) is a lost or refused database connection."""
     import sqlalchemy.exc as sa
 
-    seen: BaseException | None = err
-    for _ in range(8):  # optuna wraps SQLAlchemy's error in StorageInternalError: look down the chain
-        if seen is None:
-            return False
-        if isinstance(seen, sa.OperationalError | sa.InterfaceError):
-            return True
-        if isinstance(seen, sa.DBAPIError) and seen.connection_invalidated:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    # optuna wraps SQLAlchemy's error in StorageInternalError: look down the chain.
+    return any(isinstance(seen, sa.OperationalError | sa.InterfaceError)
+               or (isinstance(seen, sa.DBAPIError) and seen.connection_invalidated)
+               for seen in exception_chain(err))
 
 
 class RetryingRDBStorage(RDBStorage):
