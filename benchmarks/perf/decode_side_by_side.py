@@ -10,6 +10,9 @@ token limit, on the same weights in one process, and stops at EOS. ``C`` concurr
 
 - ``local`` / ``local-compiled``: C threads each calling ``LocalLM.complete_ids`` (continuous batching;
   the second with the decode step compiled, ``compile=True``: CUDA graphs on CUDA), on one shared model;
+- ``local-int8`` / ``local-int4``: ``local`` with ``quantize="int8"`` / ``"int4"`` (CPU: one-row steps
+  through a weight-only quantized twin, :mod:`flowopt.lm.quantize`), on the same model; ``--agreement``
+  also counts how many of the prompts each decodes greedily to exactly the tokens ``local`` decodes;
 - ``generate``: one ``model.generate`` call on the C prompts, left-padded (its default dynamic cache);
 - ``generate-static``: the same with ``cache_implementation="static"`` and its forward compiled by
   transformers (``CompileConfig``; on CPU forced on, with inductor's default mode).
@@ -53,7 +56,8 @@ from flowopt.io import atomic_write_json
 logger = logging.getLogger(__name__)
 
 SMOKE = {"model": "tiny", "callers": "1,4", "tokens": 4, "repeats": 1, "impls": "local,generate", "dtype": "float32"}
-IMPLS = ("local", "local-compiled", "generate", "generate-static")
+IMPLS = ("local", "local-compiled", "local-int8", "local-int4", "generate", "generate-static")
+QUANTIZED = {"local-int8": "int8", "local-int4": "int4"}
 
 
 def load(model: str, device: str, dtype: str, folder: Path) -> Any:
@@ -123,6 +127,25 @@ def generate_round(local: Any, prompts: list[list[int]], callers: int, tokens: i
     return produced, time.perf_counter() - began
 
 
+def agreement(local: Any, twins: dict[str, Any], prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    """Per quantized impl: prompts decoded greedily to exactly ``local``'s tokens, and the mean share of
+    ``local``'s tokens before the first difference (one caller at a time: every step has one row)."""
+    from flowopt.lm.sampling import RowSettings
+
+    settings = RowSettings(max_new_tokens=tokens)
+    exact = [local.complete_ids(p, settings).completion_ids for p in prompts]
+    out: dict[str, Any] = {"prompts": len(prompts), "tokens": tokens}
+    for name, twin in twins.items():
+        same, prefix = 0, []
+        for want, prompt in zip(exact, prompts):
+            got = twin.complete_ids(prompt, settings).completion_ids
+            same += got == want
+            common = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            prefix.append(common / max(len(want), 1))
+        out[name] = {"identical": same, "mean_common_prefix": round(statistics.fmean(prefix), 3)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = PerfParser("decode_side_by_side", __doc__, smoke=SMOKE)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -132,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per call (greedy, EOS ends early)")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--agreement", type=int, default=0,
+                        help="prompts on which to compare each quantized impl's greedy tokens with local's (0: none)")
     parser.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
     run = start_run(parser, argv)
     args = run.args
@@ -150,9 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         local = load(args.model, args.device, args.dtype, Path(tmp))
         compiled = LocalLM.from_model(local.model, local.tokenizer, name="compiled", max_new_tokens=args.tokens,
                                       batch_wait_ms=5, compile=True)
-        prompts = [local.render(t) for t in gsm8k_prompts(max(max(callers), 4))]
+        prompts = [local.render(t) for t in gsm8k_prompts(max(max(callers), 4, args.agreement))]
+        twins = {name: LocalLM.from_model(local.model, local.tokenizer, name=name, max_new_tokens=args.tokens,
+                                          batch_wait_ms=5, compile=False, quantize=scheme)
+                 for name, scheme in QUANTIZED.items() if name in impls}
         cases: dict[str, Any] = {
             "local": lambda c: local_round(local, prompts[:max(c, 4)], c, args.tokens),
+            **{name: (lambda c, twin=twin: local_round(twin, prompts[:max(c, 4)], c, args.tokens))
+               for name, twin in twins.items()},
             "local-compiled": lambda c: local_round(compiled, prompts[:max(c, 4)], c, args.tokens),
             "generate": lambda c: generate_round(local, prompts[:max(c, 4)], c, args.tokens, static=False),
             "generate-static": lambda c: generate_round(local, prompts[:max(c, 4)], c, args.tokens, static=True)}
@@ -168,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("%d caller(s): tokens/s %s", c, results["rates"][str(c)])
             # What is measured so far survives a run stopped by a time limit (a GPU call's, say).
             atomic_write_json(run.sibling(".partial.json"), results)
+        if args.agreement and twins:
+            results["greedy_agreement"] = agreement(local, twins, prompts[:args.agreement], args.tokens)
         results["local_decode_stats"] = local.decode_stats.summary()
+        for name, twin in twins.items():
+            results[f"{name}_decode_stats"] = twin.decode_stats.summary()
+            twin.close()
         results["local_compiled_decode_stats"] = compiled.decode_stats.summary()
         local.close()
         compiled.close()
@@ -183,6 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     if "local" in impls and 1 in callers and 8 in callers:
         goals.append(Goal.at_least("LocalLM, 8 callers vs 1 (tokens/s ratio)",
                                    round(rates["8"]["local"] / rates["1"]["local"], 2), 4))
+    for name in QUANTIZED:
+        if name in impls and 1 in callers:
+            goals.append(Goal.at_least(f"{name}, 1 caller (tokens/s)", rates["1"][name], 25))
+            if 8 in callers:
+                goals.append(Goal.at_least(f"{name}, 8 callers vs 1 (tokens/s ratio)",
+                                           round(rates["8"][name] / rates["1"][name], 2), 4))
+    if "greedy_agreement" in results:
+        body += ["", f"Greedy agreement with `local` ({results['greedy_agreement']['prompts']} prompts, up to "
+                 f"{args.tokens} tokens): " + "; ".join(
+                     f"{n}: {v['identical']} identical, mean common prefix {v['mean_common_prefix']:.0%}"
+                     for n, v in results["greedy_agreement"].items() if isinstance(v, dict)) + "."]
     if "generate-static" in impls and "local-compiled" in impls:
         for c in (1, 64):
             if c in callers:

@@ -34,6 +34,7 @@ class AdapterSet:
     _model: Any
     lock: threading.RLock
     _fingerprint: str
+    quantize: str | None
 
     def _init_adapters(self) -> None:
         self._adapters: dict[str, dict[str, Any]] = {}  # name -> {"path": str | None, "fingerprint": str}
@@ -286,6 +287,8 @@ class AdapterSet:
         import hashlib
 
         parts = [self._fingerprint]
+        if self.quantize is not None:  # quantized decoding answers differently from the exact weights
+            parts.append(f"quantize:{self.quantize}")
         state = self._state()
         if state is not None:
             parts.append(f"{state}:{self._adapters[state]['fingerprint']}")

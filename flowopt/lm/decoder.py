@@ -18,6 +18,7 @@ warning says so once per process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _compile_failure: list[str] = []  # the first compile failure of this process (compiling is not retried)
+_paths_logged: set[str] = set()  # the decode paths this process has announced
 
 
 def cuda_graph_thread_state() -> None:
@@ -112,7 +114,8 @@ class Decoder:
     """
 
     def __init__(self, get_model: Any, tokenizer: Any, *, compile: CompileSettings | None = None,
-                 stats: DecodeStats | None = None, width_multiple: int = WIDTH_MULTIPLE) -> None:
+                 stats: DecodeStats | None = None, width_multiple: int = WIDTH_MULTIPLE,
+                 quantize: str | None = None) -> None:
         if width_multiple < 1:
             raise ConfigError(f"width_multiple must be >= 1, got {width_multiple}",
                               fix="pass 1 for exact prefill widths, or a larger multiple to bound the shapes")
@@ -126,7 +129,8 @@ class Decoder:
         self.eos = set(eos_ids(model, tokenizer))
         self.stops = StopCheck(tokenizer)
         self.stats = stats or DecodeStats()
-        self._parts: tuple[Any, Halves] | None = None
+        self.quantize = quantize  # a weight-only quantized twin decodes (flowopt.lm.quantize); None: exact
+        self._parts: tuple[Any, Any, Halves] | None = None  # (model, its DecodeTwin or None, the halves decoding)
         self._compiled: Any = None
         self._shapes: set[tuple[int, int]] = set()
         self._graph_threads: set[int] = set()  # threads given their CUDA-graph tree state
@@ -136,10 +140,31 @@ class Decoder:
         return self.cache.device
 
     def parts(self) -> Halves:
+        """The model's halves as the decode step uses them: its own, or its quantized twin's when asked."""
         model = self._get_model()
-        if self._parts is None or self._parts[0] is not model:
-            self._parts = (model, halves(model))
-        return self._parts[1]
+        cached = self._parts
+        if cached is not None and cached[0] is model and (cached[1] is None or cached[1].current()):
+            return cached[2]
+        exact = halves(model)
+        twin = None if self.quantize is None else self._twin(exact)
+        decoding = exact if twin is None else dataclasses.replace(exact, decoder=twin.decoder, head=twin.head)
+        self._parts = (model, twin, decoding)
+        return decoding
+
+    def _twin(self, exact: Halves) -> Any:
+        """The quantized twin of ``exact`` (None when it cannot have one: the reason is logged once)."""
+        from flowopt.lm.quantize import DecodeTwin, quantizable
+
+        assert self.quantize is not None
+        reason = quantizable(exact.decoder, exact.head, self.quantize)
+        path = (f"decode step on {self.device.type}: weight-only {self.quantize} twin" if reason is None else
+                f"decode step on {self.device.type}: exact weights, although quantize={self.quantize!r} was "
+                f"asked ({reason})")
+        self.stats.decode_path = path
+        if path not in _paths_logged:  # once per process and path: a LocalLM has two decoders
+            _paths_logged.add(path)
+            (logger.info if reason is None else logger.warning)(path)
+        return None if reason is not None else DecodeTwin(exact.decoder, exact.head, self.quantize)
 
     # -- rows joining ------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ class DecodeCapacity:
     name: str
     tokenizer: Any
     compile_settings: CompileSettings
+    quantize: str | None
     decode_stats: DecodeStats
     _model: Any
     _max_batch_size: int | None
@@ -72,8 +73,10 @@ class DecodeCapacity:
         thread, e.g. GRPO rounds); each has its own static cache, they share the compiled steps."""
         decoder = self._decoders.get(purpose)
         if decoder is None:
+            # Only the batcher's decoder (DSPy calls, evaluation) may quantize: direct rounds are training
+            # rollouts, whose sampled log-probs must match what scoring computes from the exact weights.
             decoder = Decoder(lambda: self._model, self.tokenizer, compile=self.compile_settings,
-                              stats=self.decode_stats)
+                              stats=self.decode_stats, quantize=self.quantize if purpose == "continuous" else None)
             reason = decoder.cache.supported()
             if reason is not None:
                 raise ConfigError(f"model {self.name!r} cannot decode from a static cache: {reason}",

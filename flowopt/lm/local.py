@@ -72,7 +72,10 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
     end) of at most ``max_batch_size`` rows (None: from the device's free memory). ``compile`` compiles
     the decode step with ``torch.compile`` once per batch bucket (None: on CUDA, where CUDA graphs pay,
     not on CPU, where compiling one bucket took longer than an evaluation); ``local.decode_stats.summary()``
-    reports rows per step over time and compile seconds.
+    reports rows per step over time and compile seconds. ``quantize="int8"`` or ``"int4"`` (CPU, needs
+    torchao) decodes DSPy calls one row at a time through a weight-only quantized twin of the model
+    (:mod:`flowopt.lm.quantize`): faster batch-1 steps, outputs close to but not always equal to the exact
+    weights', so it is off by default; batches, training rollouts, scoring and adapters use the exact weights.
 
     Through DSPy, ``n`` candidates are ``n`` engine calls of one request (DSPy's fan-out); with a fixed
     ``seed`` they are therefore identical, so leave ``seed`` unset for diverse candidates, or use
@@ -83,7 +86,7 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
                  dtype: str | torch.dtype | None = None, adapter: str | os.PathLike[str] | None = None,
                  chat: bool | None = None, name: str | None = None, max_new_tokens: int = 512,
                  temperature: float = 0.0, batch_wait_ms: float = 10.0, max_batch_size: int | None = None,
-                 compile: bool | None = None, progress: bool = True) -> None:
+                 compile: bool | None = None, quantize: str | None = None, progress: bool = True) -> None:
         from flowopt.lm.gemma import ALIASES, check_loaded_model, check_tokenizer, ensure_gemma
 
         source = os.fspath(model)
@@ -107,7 +110,7 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
         self._setup(torch_model, tokenizer, name=name or default_name,
                     chat=chat if chat is not None else default_chat, fingerprint=fingerprint, device=device,
                     dtype=dtype, max_new_tokens=max_new_tokens, temperature=temperature,
-                    batch_wait_ms=batch_wait_ms, max_batch_size=max_batch_size, compile=compile)
+                    batch_wait_ms=batch_wait_ms, max_batch_size=max_batch_size, compile=compile, quantize=quantize)
         self.path: Path | None = path
         if adapter is not None:
             self.load_adapter(adapter)
@@ -115,7 +118,8 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, *, name: str, chat: bool | None = None,
                    max_new_tokens: int = 512, temperature: float = 0.0, batch_wait_ms: float = 10.0,
-                   max_batch_size: int | None = None, compile: bool | None = None) -> LocalLM:
+                   max_batch_size: int | None = None, compile: bool | None = None,
+                   quantize: str | None = None) -> LocalLM:
         """Wrap an already loaded transformers model and tokenizer (kept on their device and dtype).
 
         Such a LocalLM has no source folder, so :meth:`to_spec` refuses it; save it first.
@@ -126,13 +130,13 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
         self._setup(model, tokenizer, name=name, chat=chat, fingerprint=uuid.uuid4().hex[:12],
                     device=str(param.device), dtype=param.dtype, max_new_tokens=max_new_tokens,
                     temperature=temperature, batch_wait_ms=batch_wait_ms, max_batch_size=max_batch_size,
-                    compile=compile)
+                    compile=compile, quantize=quantize)
         return self
 
 
     def _setup(self, model: Any, tokenizer: Any, *, name: str, chat: bool | None, fingerprint: str,
                device: Any, dtype: Any, max_new_tokens: int, temperature: float, batch_wait_ms: float,
-               max_batch_size: int | None, compile: bool | None) -> None:
+               max_batch_size: int | None, compile: bool | None, quantize: str | None) -> None:
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}", fix="pass max_new_tokens=256")
         if temperature < 0:
@@ -166,6 +170,11 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
         # 2-core CPU, inductor took 1,017 s to compile the embedded Gemma's step for one batch bucket
         # (benchmarks/results/decode_side_by_side_cpu.md), more than a whole evaluation decodes in: off.
         self.compile_settings = CompileSettings(enabled=on_cuda if compile is None else bool(compile))
+        if quantize is not None:
+            from flowopt.lm.quantize import check_quantize
+
+            check_quantize(quantize, self.device)
+        self.quantize = quantize
         self.decode_stats = DecodeStats(cuda=on_cuda)
         self._decoders = {}
         self._batcher = ContinuousBatcher(
@@ -363,11 +372,11 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
                 "device": self._requested["device"], "dtype": self._requested["dtype"],
                 "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                 "batch_wait_ms": self._batch_wait_ms, "max_batch_size": self._max_batch_size,
-                "compile": self._compile_asked}
+                "compile": self._compile_asked, "quantize": self.quantize}
 
     _SPEC_KEYS = frozenset({"model", "source", "adapter", "chat", "device", "dtype", "max_new_tokens",
                             "temperature", "batch_wait_ms", "max_batch_size", "compile", "max_tokens",
-                            "model_type"})
+                            "model_type", "quantize"})
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> LocalLM:
@@ -383,7 +392,8 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
         name = model[len("local/"):].partition("@")[0]
         source = spec.get("source") or name
         kwargs = {k: spec[k] for k in ("device", "dtype", "adapter", "chat", "max_new_tokens", "temperature",
-                                       "batch_wait_ms", "max_batch_size", "compile") if spec.get(k) is not None}
+                                       "batch_wait_ms", "max_batch_size", "compile", "quantize")
+                  if spec.get(k) is not None}
         if spec.get("max_tokens") is not None and "max_new_tokens" not in kwargs:
             kwargs["max_new_tokens"] = int(spec["max_tokens"])
         return cls(source, name=name, **kwargs)

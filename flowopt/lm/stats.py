@@ -29,6 +29,7 @@ class DecodeStats:
         self.timeline: deque[tuple[float, int, int | None]] = deque(maxlen=keep)  # (s, rows, GPU %)
         self.compile_seconds: dict[str, float] = {}
         self.eager_reason: str | None = None  # why the decode step runs eagerly although compiling was asked
+        self.decode_path: str | None = None  # which weights decode, when quantizing was asked
         self._began = time.monotonic()
         self._next = 0.0
         self._lock = threading.Lock()
@@ -62,4 +63,5 @@ class DecodeStats:
             return {"steps": steps, "mean_rows_per_step": round(rows / steps, 2) if steps else 0.0,
                     "steps_by_rows": dict(sorted(self.steps_by_rows.items())),
                     "timeline": [list(t) for t in self.timeline],
-                    "compile_seconds": dict(self.compile_seconds), "eager_reason": self.eager_reason}
+                    "compile_seconds": dict(self.compile_seconds), "eager_reason": self.eager_reason,
+                    "decode_path": self.decode_path}

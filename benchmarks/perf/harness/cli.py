@@ -40,7 +40,8 @@ class PerfParser(argparse.ArgumentParser):
         self.script = script
         self.smoke = dict(smoke)
         self.add_argument("--out", type=Path, default=RESULTS_DIR / script,
-                          help=f"file stem: writes STEM.json and STEM.md (default {RESULTS_DIR / script})")
+                          help=f"file stem: writes STEM.json and STEM.md (default: benchmarks/results/{script} "
+                               "in the flowopt checkout)")  # no absolute path: help text is copied into docs
         self.add_argument("--smoke", action="store_true",
                           help="smallest sizes, to check that the script runs: "
                                + (", ".join(f"{k}={v}" for k, v in self.smoke.items()) or "defaults"))

@@ -1,0 +1,170 @@
+"""The opt-in quantized decode twin (flowopt.lm.quantize): close to the exact weights, refused clearly.
+
+The tiny Gemma of conftest is random, so agreement bounds here are about this model at this seed: what
+they check is that the twin computes the same function within the quantization error, not its speed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowopt.errors import ConfigError
+
+pytest.importorskip("torchao")
+
+PROMPTS = ["Question: what is two plus two?\nAnswer:", "hello there", "The quick brown fox",
+           "Numbers 0 1 2 3", "Reasoning: Let's think step by step.", "A stitch in time",
+           "System: You are helpful.", "Given the fields `question`"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    from flowopt.lm.loading import load_pretrained
+
+    model, tokenizer = load_pretrained(tiny_model_dir, "cpu", "float32")
+    return model, tokenizer
+
+
+def _local(tiny, **kwargs):
+    from flowopt.lm import LocalLM
+
+    model, tokenizer = tiny
+    return LocalLM.from_model(model, tokenizer, name="tiny", max_new_tokens=12, batch_wait_ms=1, **kwargs)
+
+
+@pytest.mark.parametrize("cls_name", ["Int8Linear", "Int4Linear"])
+def test_quantized_linear_is_close_for_one_row_and_exact_for_more(cls_name):
+    from flowopt.lm import quantize
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 64, bias=True)
+    quantized = getattr(quantize, cls_name)(linear)
+    row = torch.randn(1, 1, 128)
+    want, got = linear(row), quantized(row)
+    error = ((got - want).norm() / want.norm()).item()
+    assert error < (0.01 if cls_name == "Int8Linear" else 0.1), error  # int8: ~0.4%, int4 (groups of 32): ~5%
+    assert got.shape == want.shape
+    rows = torch.randn(3, 128)
+    assert torch.equal(quantized(rows), linear(rows))  # batches go through the exact weight
+
+
+def test_fused_norm_equals_gemma_norm_in_float32():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from flowopt.lm.quantize import FusedGemmaNorm, is_gemma_norm
+
+    norm = Gemma3RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 5, 64)
+    assert is_gemma_norm(norm) and not is_gemma_norm(torch.nn.LayerNorm(64))
+    torch.testing.assert_close(FusedGemmaNorm(norm)(x), norm(x), rtol=1e-5, atol=1e-5)
+    assert FusedGemmaNorm(norm)(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_twin_logits_stay_close_to_the_exact_models(tiny, scheme):
+    from flowopt.lm.forward import halves
+    from flowopt.lm.quantize import DecodeTwin
+
+    model, tokenizer = tiny
+    exact = halves(model)
+    twin = DecodeTwin(exact.decoder, exact.head, scheme)
+    ids = torch.tensor([tokenizer("The quick brown fox")["input_ids"]])
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    with torch.inference_mode():
+        picks, gaps = [], []
+        for t in range(1, ids.shape[1] + 1):  # one row, one column at a time: the quantized path
+            prefix = ids[:, :t]
+            want = model(input_ids=prefix, position_ids=positions[:, :t]).logits[0, -1].float()
+            hidden = twin.decoder(input_ids=prefix, position_ids=positions[:, :t]).last_hidden_state
+            got = twin.head(hidden[:, -1:]).float()[0, -1]
+            top = want.log_softmax(-1).topk(2).values
+            picks.append(bool(got.argmax() == want.argmax()) or (top[0] - top[1]).item() < 0.2)  # or a near tie
+            gaps.append(((got.log_softmax(-1) - want.log_softmax(-1)).abs().max()).item())
+    assert all(picks), picks
+    assert max(gaps) < (0.1 if scheme == "int8" else 1.0), gaps  # nats, on this random model (measured 0.05, 0.56)
+    assert twin.current()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.0)  # an in-place update (as an optimizer step does) bumps the version
+    assert not twin.current()
+
+
+def _top_two_gap(model, ids):
+    """The exact model's gap (nats) between its two likeliest next tokens after ``ids``."""
+    with torch.inference_mode():
+        logps = model(input_ids=torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+    top = logps.topk(2).values
+    return (top[0] - top[1]).item()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_local_lm_decodes_through_the_twin_and_differs_only_at_near_ties(tiny, scheme):
+    from flowopt.lm.sampling import RowSettings
+
+    model = tiny[0]
+    exact, quantized = _local(tiny), _local(tiny, quantize=scheme)
+    bound = 0.1 if scheme == "int8" else 1.0  # nats: the twin's log-probs against the exact weights
+    try:
+        settings = RowSettings(max_new_tokens=12, logprobs=True)
+        agreed = 0
+        for prompt in PROMPTS:
+            ids = exact.render(prompt)
+            want, got = exact.complete_ids(ids, settings), quantized.complete_ids(ids, settings)
+            common = next((i for i, (a, b) in enumerate(zip(want.completion_ids, got.completion_ids)) if a != b),
+                          len(want.completion_ids))
+            agreed += common
+            if common:
+                assert (want.logprobs[:common] - got.logprobs[:common]).abs().max() < bound
+            if common < len(want.completion_ids):  # a different pick: only where the exact model nearly ties
+                assert _top_two_gap(model, ids + want.completion_ids[:common]) < 2 * bound
+        assert agreed >= len(PROMPTS) * 3, agreed
+        assert quantized.decode_stats.summary()["decode_path"] == f"decode step on cpu: weight-only {scheme} twin"
+        assert exact.decode_stats.summary()["decode_path"] is None
+        assert quantized.lm.model != exact.lm.model  # DSPy's cache keeps the two apart
+        # Training rollouts (direct rounds) decode with the exact weights: their log-probs match scoring's.
+        rollout = quantized.generate(PROMPTS[:2], temperature=0.0)
+        assert [s.completion_ids for s in rollout] == [s.completion_ids for s in exact.generate(PROMPTS[:2])]
+    finally:
+        exact.close()
+        quantized.close()
+
+
+def test_adapters_decode_with_the_exact_weights_and_say_so(tiny_model_dir, tmp_path, make_adapter, caplog):
+    from flowopt.lm import LocalLM
+
+    plain = LocalLM(tiny_model_dir, device="cpu", dtype="float32", max_new_tokens=8, batch_wait_ms=1)
+    local = LocalLM(tiny_model_dir, device="cpu", dtype="float32", max_new_tokens=8, batch_wait_ms=1,
+                    quantize="int8")
+    try:
+        path = make_adapter(tiny_model_dir, tmp_path / "a1", seed=1)
+        plain.load_adapter(path)
+        local.load_adapter(path)
+        with caplog.at_level("WARNING", logger="flowopt.lm.decoder"):
+            got = local.lm("hello there", cache=False)
+        assert got == plain.lm("hello there", cache=False)  # the adapter applies: exact weights, exact outputs
+        assert "exact weights, although quantize='int8' was asked (the body holds adapter layers" in \
+            local.decode_stats.summary()["decode_path"]
+        assert local.to_spec()["quantize"] == "int8"
+        rebuilt = LocalLM.from_spec(local.to_spec())
+        assert rebuilt.quantize == "int8" and rebuilt.active_adapter == "a1"
+        rebuilt.close()
+    finally:
+        plain.close()
+        local.close()
+
+
+def test_bad_quantize_settings_raise_config_errors(tiny, monkeypatch):
+    import sys
+
+    from flowopt.lm.quantize import check_quantize
+
+    with pytest.raises(ConfigError, match="unknown quantize setting 'int3'"):
+        _local(tiny, quantize="int3")
+    with pytest.raises(ConfigError, match="CPU kernels only; the model is on cuda"):
+        check_quantize("int8", torch.device("cuda", 0))
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed
+    with pytest.raises(ConfigError, match="needs torchao"):
+        check_quantize("int4", "cpu")
+    check_quantize(None, "cuda")  # off: nothing to check
