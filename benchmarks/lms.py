@@ -17,15 +17,15 @@ from flowopt.errors import ConfigError
 
 
 def make_lm(model: str, *, api_base: str | None = None, max_tokens: int = 256, batch: int = 16,
-            compile: bool | None = None) -> tuple[Any, Any]:
+            compile: bool | None = None, quantize: str | None = None) -> tuple[Any, Any]:
     """The LM and adapter for ``--lm``: local models (embedded name or folder) get the completion adapter
     and generate up to ``batch`` concurrent calls as one batch; ``compile`` compiles their decode step
-    (None: on CUDA only)."""
+    (None: on CUDA only); ``quantize`` decodes one-row steps through a weight-only quantized twin (CPU)."""
     if model.startswith("local/") or model == "gemma-3-270m" or Path(model).is_dir():
         from flowopt.lm import LocalLM, adapter_for
 
         local = LocalLM(model.removeprefix("local/"), max_new_tokens=max_tokens, max_batch_size=batch,
-                        compile=compile)
+                        compile=compile, quantize=quantize)
         return local.lm, adapter_for(local.lm)
     if "/" not in model:
         raise ConfigError(f"--lm {model!r} is neither a local model nor a litellm provider/model name",

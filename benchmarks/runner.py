@@ -51,7 +51,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     plan = plan_bench(args)  # every setting checked: nothing written, no LM called before this passes
     lm, adapter = make_lm(args.lm, api_base=args.api_base, max_tokens=args.max_tokens, batch=args.lm_batch,
-                          compile={"auto": None, "on": True, "off": False}[args.lm_compile])
+                          compile={"auto": None, "on": True, "off": False}[args.lm_compile],
+                          quantize=args.lm_quantize)
     plan.out.mkdir(parents=True, exist_ok=True)
     results = _Run(plan, args, decode_stats=_decode_stats_of(lm)).run(lm, adapter)
     sys.stdout.write(f"{score_table(results)}\nresults in {plan.out}/\n")

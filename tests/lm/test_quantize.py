@@ -168,3 +168,21 @@ def test_bad_quantize_settings_raise_config_errors(tiny, monkeypatch):
     with pytest.raises(ConfigError, match="needs torchao"):
         check_quantize("int4", "cpu")
     check_quantize(None, "cuda")  # off: nothing to check
+
+
+def test_bench_lm_quantize_reaches_the_local_model(tiny_model_dir):
+    from flowopt.benchmarks.cli import bench_parser
+    from flowopt.benchmarks.lms import make_lm
+    from flowopt.lm import local_of
+
+    parser = bench_parser()
+    assert parser.parse_args(["gsm8k-aflow", "--lm-quantize", "int4"]).lm_quantize == "int4"
+    assert parser.parse_args(["gsm8k-aflow"]).lm_quantize is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["gsm8k-aflow", "--lm-quantize", "int3"])
+    lm, _adapter = make_lm(str(tiny_model_dir), max_tokens=4, quantize="int8")
+    local = local_of(lm)
+    try:
+        assert local is not None and local.quantize == "int8"
+    finally:
+        local.close()
