@@ -3,10 +3,15 @@
 Without a budget the extras are paid for by what pruning saved: the allowance is what BFRS pays for as
 many programs (every planned candidate scored on the whole valset; the incumbent's scores are the
 compiler's baseline), less every call the search made (bootstraps, proposals, pruned and full scores)
-and half a valset kept back (the finalists' fresh examples when they are on, else a margin). Under a
-``Budget(max_lm_calls=...)`` the planned set is cut to half of what the budget pays for (the other half
-goes to extras of the kinds that win), raced 4 at a time, and a wave starts only while the budget pays
-for it.
+and half a valset kept back. Under a ``Budget(max_lm_calls=...)`` the planned set is cut to half of what
+the budget pays for (the other half goes to extras of the kinds that win), raced 4 at a time, and a wave
+starts only while the budget pays for it.
+
+The half valset kept back pays the finalists' fresh examples when they are on (``finalists=k``). With
+``finalists=0`` (the default) it is a margin: a wave is admitted on what a candidate cost so far *on
+average*, and a wave that costs more (its candidates race longer) is stopped by the budget mid-wave,
+its calls lost and its candidates not picked. Spent on more extras instead, it cost the demos-only task
+0.021 of held-out test score under a budget (issue 27, tuning seeds 0-59), so it stays.
 
 Example:
     >>> from flowopt.optimizers.search import RandomSearch
@@ -48,7 +53,8 @@ def _per_candidate(study: Any) -> float:
 
 def wave_affordable(study: Any, n_val: int, count: int, ctx: StageContext) -> bool:
     """Does the call budget pay for ``count`` more candidates at what one cost so far, keeping half a
-    valset for the finalists' fresh examples (the pick's valset scores are memoised for the final check)?"""
+    valset back (the finalists' fresh examples, or with none a margin for a wave dearer than the average;
+    the pick's valset scores are memoised for the final check)?"""
     remaining = ctx.budget.remaining_calls()
     return remaining is None or remaining - n_val // 2 >= count * _per_candidate(study)
 
