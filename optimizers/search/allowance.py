@@ -10,8 +10,9 @@ starts only while the budget pays for it.
 The half valset kept back pays the finalists' fresh examples when they are on (``finalists=k``). With
 ``finalists=0`` (the default) it is a margin: a wave is admitted on what a candidate cost so far *on
 average*, and a wave that costs more (its candidates race longer) is stopped by the budget mid-wave,
-its calls lost and its candidates not picked. Spent on more extras instead, it cost the demos-only task
-0.021 of held-out test score under a budget (issue 27, tuning seeds 0-59), so it stays.
+its calls lost and its candidates not picked. Spent on more extras instead, it lowered the held-out
+score where demos are the only lever (issue 27's tuning, ``benchmarks/results/search_defaults_confirm.md``,
+notes), so it stays.
 
 Example:
     >>> from flowopt.optimizers.search import RandomSearch
