@@ -22,7 +22,9 @@ on seeds from 10000 up (``--first-seed 10000``) and compile()'s default seed was
 (``search_defaults.md``); ``--first-seed 2000`` (world seeds 6000 up) was the confirmation of those
 defaults (``search_defaults_fresh.md``); the kinds' exploration and ``finalists=0`` (issue 27) were
 tuned on i = 0..19 and 10000..10019 and confirmed on ``--first-seed 8000`` (world seeds 24000 up,
-``search_defaults_confirm.md``, ``search_defaults_bfrs8_confirm.md``). The world seed
+``search_defaults_confirm.md``, ``search_defaults_bfrs8_confirm.md``), and re-measured on
+``--first-seed 16000`` (world seeds 48000 up, ``search_defaults_block16000.md``,
+``search_defaults_bfrs8_block16000.md``). The world seed
 draws the task (examples, their difficulties and demo qualities); every optimizer runs at its own
 default seed, as a user who passes no settings gets it (``compile()``: 0, whose shuffled bootstraps are
 BFRS's own candidates, so the pair differs only by what the search adds and prunes).

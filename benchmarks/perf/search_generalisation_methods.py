@@ -14,14 +14,16 @@ from flowopt.benchmarks.perf.search_tasks import Task, metric
 from flowopt.optimizers.search.pruning import ALPHA
 
 STRICT_ALPHA = 0.05  # the stricter level a user can ask for (the default is pruning.ALPHA, 0.1)
+FINALISTS = 3  # the winner's-curse re-scoring a user can ask for (the default is finalists=0: off)
 # BFRS(8)'s candidates only (extra=0), with other pruning settings: what the calls cost in guarantees.
 SAME_CANDIDATE_VARIANTS: dict[str, dict[str, Any]] = {
     "flowopt8_extra0_stratified": {"pruner": "stratified"},
     "flowopt8_extra0_anytime": {"pruner": "anytime"},
     "flowopt8_extra0_alpha05": {"alpha": STRICT_ALPHA},
-    "flowopt8_extra0_no_finalists": {"finalists": 0},
-    "flowopt8_extra0_alpha05_no_finalists": {"alpha": STRICT_ALPHA, "finalists": 0},
-    "flowopt8_extra0_stratified_no_finalists": {"pruner": "stratified", "finalists": 0},
+    # finalists=0 is the default, so the winner's-curse re-scoring is the variant (off by default, issue 27)
+    "flowopt8_extra0_finalists": {"finalists": FINALISTS},
+    "flowopt8_extra0_alpha05_finalists": {"alpha": STRICT_ALPHA, "finalists": FINALISTS},
+    "flowopt8_extra0_stratified_finalists": {"pruner": "stratified", "finalists": FINALISTS},
 }
 METHODS = ("bfrs8", "bfrs16", "flowopt8", "flowopt8_extra0", *SAME_CANDIDATE_VARIANTS, "flowopt8_none",
            "flowopt_at_bfrs8_calls",
@@ -34,11 +36,11 @@ LABELS = {
     "flowopt8_extra0_stratified": "flowopt `search`, BFRS(8)'s candidates only, `pruner=\"stratified\"`",
     "flowopt8_extra0_anytime": "flowopt `search`, BFRS(8)'s candidates only, `pruner=\"anytime\"`",
     "flowopt8_extra0_alpha05": "flowopt `search`, BFRS(8)'s candidates only, `alpha=0.05` (a 5% test at each look)",
-    "flowopt8_extra0_no_finalists": ("flowopt `search`, BFRS(8)'s candidates only, `finalists=0` (no winner's-curse "
-                                     "guard)"),
-    "flowopt8_extra0_alpha05_no_finalists": "flowopt `search`, BFRS(8)'s candidates only, `alpha=0.05`, `finalists=0`",
-    "flowopt8_extra0_stratified_no_finalists": ("flowopt `search`, BFRS(8)'s candidates only, `stratified`, "
-                                                "`finalists=0`"),
+    "flowopt8_extra0_finalists": ("flowopt `search`, BFRS(8)'s candidates only, `finalists=3` (the winner's-curse "
+                                  "re-scoring)"),
+    "flowopt8_extra0_alpha05_finalists": "flowopt `search`, BFRS(8)'s candidates only, `alpha=0.05`, `finalists=3`",
+    "flowopt8_extra0_stratified_finalists": ("flowopt `search`, BFRS(8)'s candidates only, `stratified`, "
+                                             "`finalists=3`"),
     "flowopt8_none": "flowopt `search`, BFRS(8)'s candidates, `pruner=\"none\"`",
     "flowopt_at_bfrs8_calls": "flowopt `search` at BFRS(8)'s LM calls (`Budget`)",
     "flowopt8_demos_extra0": "flowopt `demos` + `search`, BFRS(8)'s candidates only (`extra=0`)",

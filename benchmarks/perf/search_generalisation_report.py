@@ -194,14 +194,14 @@ def _variants_notes(rows: list[dict[str, Any]]) -> list[str]:
         diffs = [r[SAME_CANDIDATES]["test"]["expected"] - r[strict]["test"]["expected"] for r in rows]
         mean, low, high = mean_ci(diffs)
         calls = statistics.fmean(r[SAME_CANDIDATES]["lm_calls"] / r[strict]["lm_calls"] for r in rows)
-        out.append(f"* The same candidates under other settings (the default, `alpha={ALPHA}` with the finalists: "
+        out.append(f"* The same candidates under other settings (the default, `alpha={ALPHA}`, no finalists: "
                    f"{cost(SAME_CANDIDATES)}; against `alpha={STRICT_ALPHA}`, paired over the seeds: test "
                    f"{mean:+.4f} [{low:+.4f}, {high:+.4f}], the pick's test score differing in "
                    f"{sum(abs(d) > 1e-12 for d in diffs)} of {len(diffs)} seeds, {calls:.3f}x its calls): "
                    + "; ".join(costs)
                    + f". `alpha={STRICT_ALPHA}` halves the chance that each prune decision drops a candidate that "
-                   "is not worse, for the calls shown; `finalists=0` drops the winner's-curse guard (the pick is the "
-                   "best valset mean, biased upward); the first look's floor of 20 examples is not a setting "
+                   "is not worse, for the calls shown; `finalists=3` adds the winner's-curse re-scoring (the best "
+                   "valset mean is biased upward); the first look's floor of 20 examples is not a setting "
                    "(`first_look`).")
     anytime = [r[ANYTIME] for r in rows if ANYTIME in r and r[ANYTIME].get("search")]
     if anytime:

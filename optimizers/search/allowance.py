@@ -3,10 +3,16 @@
 Without a budget the extras are paid for by what pruning saved: the allowance is what BFRS pays for as
 many programs (every planned candidate scored on the whole valset; the incumbent's scores are the
 compiler's baseline), less every call the search made (bootstraps, proposals, pruned and full scores)
-and half a valset kept back (the finalists' fresh examples when they are on, else a margin). Under a
-``Budget(max_lm_calls=...)`` the planned set is cut to half of what the budget pays for (the other half
-goes to extras of the kinds that win), raced 4 at a time, and a wave starts only while the budget pays
-for it.
+and half a valset kept back. Under a ``Budget(max_lm_calls=...)`` the planned set is cut to half of what
+the budget pays for (the other half goes to extras of the kinds that win), raced 4 at a time, and a wave
+starts only while the budget pays for it.
+
+The half valset kept back pays the finalists' fresh examples when they are on (``finalists=k``). With
+``finalists=0`` (the default) it is a margin: a wave is admitted on what a candidate cost so far *on
+average*, and a wave that costs more (its candidates race longer) is stopped by the budget mid-wave,
+its calls lost and its candidates not picked. Spent on more extras instead, it lowered the held-out
+score where demos are the only lever (issue 27's tuning, ``benchmarks/results/search_defaults_confirm.md``,
+notes), so it stays.
 
 Example:
     >>> from flowopt.optimizers.search import RandomSearch
@@ -16,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from flowopt.optimizers.search.pruning import first_look
@@ -47,7 +54,8 @@ def _per_candidate(study: Any) -> float:
 
 def wave_affordable(study: Any, n_val: int, count: int, ctx: StageContext) -> bool:
     """Does the call budget pay for ``count`` more candidates at what one cost so far, keeping half a
-    valset for the finalists' fresh examples (the pick's valset scores are memoised for the final check)?"""
+    valset back (the finalists' fresh examples, or with none a margin for a wave dearer than the average;
+    the pick's valset scores are memoised for the final check)?"""
     remaining = ctx.budget.remaining_calls()
     return remaining is None or remaining - n_val // 2 >= count * _per_candidate(study)
 
@@ -68,6 +76,11 @@ class SearchCalls:
         self.ctx = ctx
         self.build = requests(ctx) - built_from
         self.candidates_from = requests(ctx)
+        self.wave_from = self.candidates_from
+
+    def start_wave(self) -> None:
+        """Mark the start of a wave: :meth:`record` splits the calls made since between its candidates."""
+        self.wave_from = requests(self.ctx)
 
     def resume_from(self, study: Any) -> None:
         self.candidates_from -= int(study.user_attrs.get(STAGE_CALLS, 0))
@@ -77,10 +90,16 @@ class SearchCalls:
         self.build = int(study.user_attrs.get(BUILD_CALLS, self.build))
         study.set_user_attr(BUILD_CALLS, self.build)
 
-    def record(self, study: Any) -> int:
-        """Keep the candidates' calls in the study; every call used so far."""
-        candidates = requests(self.ctx) - self.candidates_from
-        study.set_user_attr(STAGE_CALLS, candidates)
+    def record(self, study: Any, racing: float = 0.0) -> int:
+        """Keep the candidates' calls in the study; every call used so far.
+
+        ``racing``: the share of this wave's valset scores held by candidates not yet told (still racing).
+        A kill cuts those short and a resumed search scores them again from the first example, counting
+        those calls anew, so the study keeps only the rest of the wave's calls (the split is by scores: the
+        candidates of a wave run the same program on the same examples)."""
+        now = requests(self.ctx)
+        candidates = now - self.candidates_from
+        study.set_user_attr(STAGE_CALLS, candidates - round(racing * (now - self.wave_from)))
         return self.build + candidates
 
 
@@ -95,6 +114,17 @@ def extras_affordable(stage: RandomSearch, study: Any, planned: int, n_val: int,
     used = calls.record(study)
     room = remaining - n_val // 2 if remaining is not None else (planned - 1) * n_val - used - n_val // 2
     return max(0, min(width, stage.max_extra - done, int(room // max(1.0, _per_candidate(study)))))
+
+
+def racing_share(scores: Mapping[int, Sequence[float]], racing: set[int]) -> float:
+    """The share of a wave's valset ``scores`` that its candidates still ``racing`` hold.
+
+    Example:
+        >>> racing_share({1: [1.0] * 20, 2: [0.0] * 60}, {2})
+        0.75
+    """
+    total = sum(len(v) for v in scores.values())
+    return sum(len(scores[k]) for k in racing) / total if total else 0.0
 
 
 EXTRA_WAVES = "extra_waves"  # study user attr: the sizes of the extra waves decided so far, over runs

@@ -20,7 +20,7 @@ from flowopt.compiler import StageContext
 from flowopt.errors import BudgetExhausted
 from flowopt.optimizers.search.pruning import worse_than
 from flowopt.optimizers.search.space import CandidateSource
-from flowopt.optimizers.search.study import SCORES
+from flowopt.optimizers.search.study import SCORES, candidate_number
 
 FRESH_CHUNKS, FRESH_CHUNK_MIN = 4, 8  # the finalists' fresh examples come in about 4 chunks of at least 8
 
@@ -76,11 +76,6 @@ def rescore_finalists(close: list[Any], space: CandidateSource, program: dspy.Mo
                      "fresh_n": len(extra), "combined": round(_mean([*val, *extra]), 6), "in_final": i in left,
                      **({"stopped": stopped[i]} if i in stopped else {}), "trial": trial})
     return rows
-
-
-def candidate_number(trial: Any) -> int:
-    """The candidate number the report names a trial by (its optuna number unless it says otherwise)."""
-    return int(trial.user_attrs.get("candidate", trial.number))
 
 
 def _is_shown(example: Any, demos: list[Any]) -> bool:

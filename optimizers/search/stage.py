@@ -38,7 +38,6 @@ rerun with the parameters it had). ``storage="journal"`` uses optuna's journal f
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -50,9 +49,15 @@ import dspy
 
 from flowopt.compiler import Stage, StageContext
 from flowopt.errors import BudgetExhausted, ConfigError
-from flowopt.optimizers.search.allowance import SearchCalls, next_extra_wave, planned_count, requests, wave_affordable
+from flowopt.optimizers.search.allowance import (
+    SearchCalls,
+    next_extra_wave,
+    planned_count,
+    racing_share,
+    requests,
+    wave_affordable,
+)
 from flowopt.optimizers.search.finalists import (
-    candidate_number,
     close_finalists,
     fresh_examples,
     rescore_finalists,
@@ -67,8 +72,13 @@ from flowopt.optimizers.search.study import (
     INTERRUPTED,
     SCORES,
     STUDY_NAME,
+    WHY_PRUNED,
     ask,
+    candidate_number,
     candidate_sampler,
+    candidate_summary,
+    candidate_words,
+    earlier_scores,
     finished_count,
     next_wave,
     open_study,
@@ -78,7 +88,6 @@ from flowopt.optimizers.search.study import (
 from flowopt.settings import above, at_least, between, check_stage, one_of
 
 SAMPLERS = ("random", "tpe")
-WHY_PRUNED = "why_pruned"  # user attr: the pruner's reason, in words
 
 
 @dataclass(frozen=True)
@@ -260,7 +269,8 @@ class RandomSearch(Stage):
                     break
                 asked = [self.ask_candidate(study, space, program, ctx, number, previous, planned)
                          for number, previous in wave]
-                self.race(study, asked, order, ends, ctx, before_tell=lambda: calls.record(study))
+                calls.start_wave()
+                self.race(study, asked, order, ends, ctx, before_tell=lambda racing: calls.record(study, racing))
                 bar.update(len(asked))
             extra_width = self.parallel or 4
             while (count := next_extra_wave(self, study, planned, n, extras, extra_width, ctx, calls)) > 0:
@@ -271,7 +281,8 @@ class RandomSearch(Stage):
                 ctx.budget.check()
                 asked = [self.ask_candidate(study, space, program, ctx, number, previous, planned)
                          for number, previous in wave]
-                self.race(study, asked, order, ends, ctx, before_tell=lambda: calls.record(study))
+                calls.start_wave()
+                self.race(study, asked, order, ends, ctx, before_tell=lambda racing: calls.record(study, racing))
                 bar.update(len(asked))
         except BudgetExhausted as err:
             stop_reason = f"budget: {err.limit}"
@@ -302,20 +313,27 @@ class RandomSearch(Stage):
         return trial, space.apply(program, trial)
 
     def race(self, study: Any, asked: list[tuple[Any, dspy.Module]], order: list[Any], ends: list[int],
-             ctx: StageContext, before_tell: Callable[[], Any] | None = None) -> None:
+             ctx: StageContext, before_tell: Callable[[float], Any] | None = None) -> None:
         """Score a wave of candidates together, rung by rung, pruning those shown to trail (a shared search
-        races its claims through it too); ``before_tell`` runs before each verdict is stored."""
-        tell_hook = before_tell or (lambda: None)
+        races its claims through it too); ``before_tell`` runs before each verdict is stored, given the share
+        of the wave's scores that candidates still racing after that verdict hold (a kill would cut them short)."""
+        tell_hook = before_tell or (lambda racing: None)
         from optuna.trial import TrialState
 
         alive = list(asked)
         scores: dict[int, list[float]] = {t.number: [] for t, _ in alive}
         # Only a verdict between rungs reads the other trials (a database round trip in a shared study).
         earlier = study.get_trials(deepcopy=False) if len(ends) > 1 else []
-        others = _earlier_scores(earlier, exclude=set(scores))
+        others = earlier_scores(earlier, exclude=set(scores))
         incumbent = next((t.number for t in earlier if t.user_attrs.get("kind") == "incumbent"), None)
         rule = self.pruning_rule()
-        prev = 0
+        prev, told = 0, set()
+
+        def tell(trial: Any, *value: float, **state: Any) -> None:
+            told.add(trial.number)
+            tell_hook(racing_share(scores, set(scores) - told))
+            study.tell(trial, *value, **state)
+
         try:
             while alive and prev < len(order):
                 behind = [(t, c) for t, c in alive if len(scores[t.number]) < len(order)]  # not scored ahead
@@ -339,14 +357,12 @@ class RandomSearch(Stage):
                     for trial, candidate in alive:
                         if trial.number in pruned:
                             record_scores(trial, candidate, order, scores[trial.number], ctx)
-                            trial.set_user_attr(WHY_PRUNED, _candidate_words(study, pruned[trial.number]))
-                            tell_hook()
-                            study.tell(trial, state=TrialState.PRUNED)
+                            trial.set_user_attr(WHY_PRUNED, candidate_words(study, pruned[trial.number]))
+                            tell(trial, state=TrialState.PRUNED)
                     alive = [a for a in alive if a[0].number not in pruned]
             for trial, candidate in alive:
                 record_scores(trial, candidate, order, scores[trial.number], ctx)
-                tell_hook()
-                study.tell(trial, _mean(scores[trial.number]))
+                tell(trial, _mean(scores[trial.number]))
         except BudgetExhausted:
             stop_running(study, [trial for trial, _ in alive], "budget")
             raise
@@ -421,29 +437,8 @@ class RandomSearch(Stage):
         ctx.record(best_candidate=candidate_number(best), best_kind=best.user_attrs.get("kind"),
                    best_value=round(best.value, 6), why=why,
                    finalists=[{k: v for k, v in r.items() if k != "trial"} for r in rows],
-                   candidates=[_summary(t) for t in sorted(complete + pruned, key=candidate_number)])
+                   candidates=[candidate_summary(t) for t in sorted(complete + pruned, key=candidate_number)])
         return space.apply(program, best)
-
-
-def _summary(trial: Any) -> dict[str, Any]:
-    """One candidate's line in the report: what it was, how far it was scored, and why it stopped."""
-    values = trial.user_attrs.get(SCORES, [])
-    row = {"candidate": candidate_number(trial), "kind": trial.user_attrs.get("kind"), "scored": len(values),
-           "mean": round(_mean(values), 4)}
-    if WHY_PRUNED in trial.user_attrs:
-        row["pruned"] = trial.user_attrs[WHY_PRUNED]
-    return row
-
-
-def _candidate_words(study: Any, reason: str) -> str:
-    """The pruner names trials by their optuna number; the report names candidates."""
-    numbers = {t.number: candidate_number(t) for t in study.get_trials(deepcopy=False)}
-    return re.sub(r"candidate (\d+)", lambda m: f"candidate {numbers.get(int(m.group(1)), m.group(1))}", reason)
-
-
-def _earlier_scores(trials: list[Any], exclude: set[int]) -> dict[int, list[float]]:
-    """Per-example scores of finished (complete or pruned) trials of earlier waves."""
-    return {t.number: list(t.user_attrs[SCORES]) for t in trials if SCORES in t.user_attrs and t.number not in exclude}
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -13,6 +13,8 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import re
+import statistics
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 
 STUDY_NAME = "flowopt-search"
 INTERRUPTED = "interrupted"
+WHY_PRUNED = "why_pruned"  # user attr: the pruner's reason, in words
 SCORES = "scores"  # user attr: the trial's per-example scores, in the search's valset order
 FAILED = "failed"  # user attr: positions (in SCORES) of the examples that raised in the program
 
@@ -141,3 +144,29 @@ def stored_outcomes(trial: Any) -> list[tuple[float, bool]]:
     """``(score, failed)`` per example of a trial that :func:`record_scores` stored."""
     failed = set(trial.user_attrs.get(FAILED, ()))
     return [(float(s), i in failed) for i, s in enumerate(trial.user_attrs[SCORES])]
+
+
+def earlier_scores(trials: list[Any], exclude: set[int]) -> dict[int, list[float]]:
+    """Per-example scores of finished (complete or pruned) trials of earlier waves."""
+    return {t.number: list(t.user_attrs[SCORES]) for t in trials if SCORES in t.user_attrs and t.number not in exclude}
+
+
+def candidate_number(trial: Any) -> int:
+    """The candidate number the report names a trial by (its optuna number unless it says otherwise)."""
+    return int(trial.user_attrs.get("candidate", trial.number))
+
+
+def candidate_summary(trial: Any) -> dict[str, Any]:
+    """One candidate's line in the report: what it was, how far it was scored, and why it stopped."""
+    values = trial.user_attrs.get(SCORES, [])
+    row = {"candidate": candidate_number(trial), "kind": trial.user_attrs.get("kind"), "scored": len(values),
+           "mean": round(statistics.fmean(values), 4) if values else 0.0}
+    if WHY_PRUNED in trial.user_attrs:
+        row["pruned"] = trial.user_attrs[WHY_PRUNED]
+    return row
+
+
+def candidate_words(study: Any, reason: str) -> str:
+    """The pruner names trials by their optuna number; the report names candidates."""
+    numbers = {t.number: candidate_number(t) for t in study.get_trials(deepcopy=False)}
+    return re.sub(r"candidate (\d+)", lambda m: f"candidate {numbers.get(int(m.group(1)), m.group(1))}", reason)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import optuna
 
 from flowopt.optimizers.search import RandomSearch
-from flowopt.optimizers.search.allowance import BUILD_CALLS, EXTRA_WAVES, SearchCalls, next_extra_wave
+from flowopt.optimizers.search.allowance import BUILD_CALLS, EXTRA_WAVES, SearchCalls, next_extra_wave, racing_share
 
 
 class Counter:
@@ -51,3 +51,29 @@ def test_extra_waves_decided_by_an_earlier_run_are_replayed_not_decided_again():
     assert study.user_attrs[EXTRA_WAVES] == [2, 3, 4]  # and kept before the wave starts, for a later resume
     assert next_extra_wave(RandomSearch(extra=9), study, 10, 20, 9, 4, ctx, calls) == 0
     assert study.user_attrs[EXTRA_WAVES] == [2, 3, 4]  # a stop is not a wave
+
+
+def test_a_kill_mid_wave_does_not_count_the_cut_candidates_first_rungs_twice():
+    scores = {0: [1.0] * 20, 1: [0.0] * 20}  # a wave of two, both scored on the first 20 examples
+    study = optuna.create_study()
+    first = _ctx()
+    first.budget.calls = 10  # the space's build
+    calls = SearchCalls(first, built_from=0)
+    calls.resume_from(study)
+    calls.start_wave()
+    first.budget.calls += 40
+    calls.record(study, racing_share(scores, {0}))  # candidate 1 pruned; candidate 0 races on: then a kill
+
+    resumed = _ctx()  # rebuilt from the checkpoint: no calls; candidate 0 is asked again from example 0
+    calls = SearchCalls(resumed, built_from=0)
+    calls.resume_from(study)
+    calls.start_wave()
+    resumed.budget.calls += 20 + 30  # its first 20 examples again (from the cache), then the 30 left
+    uninterrupted = 10 + 40 + 30
+    assert calls.record(study, 0.0) == uninterrupted  # was 10 + 40 + 50: the first rung counted twice
+
+
+def test_the_racing_share_is_the_untold_candidates_scores_over_the_waves():
+    scores = {0: [1.0] * 20, 1: [0.0] * 60, 2: []}
+    assert racing_share(scores, {1}) == 0.75 and racing_share(scores, set()) == 0.0
+    assert racing_share({3: []}, {3}) == 0.0  # nothing scored yet: nothing to keep out

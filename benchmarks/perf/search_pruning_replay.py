@@ -1,0 +1,243 @@
+"""Pruning rules replayed on BFRS(8)'s candidates fully scored: what each rule's picks lose against BFRS's
+pick, and what it costs in LM calls, without an LM call per rule.
+
+Issue 27's third goal: the search with BFRS(8)'s own 11 candidates (``n_candidates=11, extra=0``) at
+<= 0.5x BFRS(8)'s calls with a held-out test difference >= 0. BFRS scores every candidate on the whole
+valset and picks the best; the search's pruner stops candidates early, so a pick can differ only where
+the pruner stopped the valset's best. Here each seed's 11 candidates are scored on the whole valset
+once (the search with ``pruner="none"``: exactly BFRS(8)'s LM calls and pick), and every rule is then
+raced on those scores as :meth:`RandomSearch.race` does (one wave, the same looks, ``next_look``'s
+skipping, the incumbent never pruned, ``"stratified"``'s leader scored ahead): its pick, the look at
+which it stopped the valset's best, and its LM calls (the bootstraps, which every rule pays, plus the
+valset scores it asked for). The replay of the default rule gives the search's own calls and pick: the
+``--check`` option compares them with a ``search_defaults`` seeds log.
+
+Rules: the registered ones at the default ``alpha`` (0.1) and ``alpha=0.05``, and three variants defined
+here (not the search's): looks every 10% of the valset instead of 5%; a challenger stopped only when shown
+worse than each of the two best (a lucky leader alone cannot stop it); the confidence test at
+``alpha / (live challengers)`` (Bonferroni over the comparisons a look makes).
+
+Seeds: world seed ``shape_index + 3 * i`` as ``search_defaults``; the tuning blocks are ``--first-seed 0``
+and ``10000``. Run:  nice -n 5 python -m flowopt.benchmarks.perf.search_pruning_replay --first-seed 0 10000
+--seeds 20 --scores benchmarks/results/search_pruning_replay_scores.jsonl
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import statistics
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import dspy
+
+from flowopt.benchmarks.perf.harness import PerfParser, markdown_table, setup_logging, start_run
+from flowopt.benchmarks.perf.search_tasks import DEMOS_ONLY, Task, mean_ci, metric
+from flowopt.optimizers.search.pruners import ConfidencePruner, Look, Pruner, get_pruner
+from flowopt.optimizers.search.pruning import first_look, looks, next_look, worse_than
+
+SHAPES = (DEMOS_ONLY, "needles", "instructions")
+SMOKE = {"seeds": 1, "train": 30, "val": 40, "test": 60}
+
+
+class LooksEvery10(ConfidencePruner):
+    """The confidence rule, looking every 10% of the valset (half the looks: half the chances to prune a tie)."""
+
+    def rung_ends(self, n: int, minibatch_size: int | None) -> list[int]:
+        return looks(n, first_look(n, minibatch_size), every=max(1, round(n / 10)))
+
+
+class WorseThanTwo(ConfidencePruner):
+    """Stop a challenger only when the confidence test shows it worse than each of the two best so far."""
+
+    def prune(self, look: Look) -> dict[int, str]:
+        scored = look.scored()
+        ranked = sorted(scored, key=lambda k: (-sum(scored[k]), k))
+        out = {}
+        for k in look.challengers():
+            best = [j for j in ranked if j != k][:2]
+            if len(best) == 2 and all(self.worse(scored[k], scored[j], look.population) for j in best):
+                out[k] = "worse than the two best"
+        return out
+
+
+class Bonferroni(ConfidencePruner):
+    """The confidence rule at ``alpha`` divided by the challengers racing at the look."""
+
+    def worse(self, challenger: Any, leader: Any, population: int | None) -> bool:
+        return worse_than(challenger, leader, self.alpha / max(1, self.racing - 1), population=population)
+
+    def prune(self, look: Look) -> dict[int, str]:
+        self.racing = len(look.live)
+        return super().prune(look)
+
+
+RULES: dict[str, Callable[[], Pruner]] = {
+    "confidence (default)": lambda: get_pruner("confidence")(),
+    "confidence, alpha=0.05": lambda: get_pruner("confidence")(alpha=0.05),
+    "stratified": lambda: get_pruner("stratified")(),
+    "anytime": lambda: get_pruner("anytime")(),
+    "confidence, looks every 10%": LooksEvery10,
+    "worse than each of the two best": WorseThanTwo,
+    "confidence, Bonferroni over the challengers": Bonferroni,
+}
+
+
+def collect(job: tuple[int, str, int, int, int]) -> dict[str, Any]:
+    """One seed: every BFRS(8) candidate's 0/1 valset scores (in the search's order) and test score, and the
+    LM calls of the unpruned search (BFRS(8)'s)."""
+    import flowopt
+    from flowopt.optimizers.search import RandomSearch
+
+    seed, shape, n_train, n_val, n_test = job
+    task = Task(seed, n_train, n_val, n_test, shape=shape)
+    captured: list[dict[str, Any]] = []
+
+    class Capturing(RandomSearch):
+        def race(self, study: Any, asked: list[Any], *args: Any, **kwargs: Any) -> None:
+            super().race(study, asked, *args, **kwargs)
+            stored = {t.number: t for t in study.get_trials(deepcopy=False)}
+            captured.extend({"number": t.number, "kind": stored[t.number].user_attrs.get("kind"),
+                             "scores": "".join(str(round(s)) for s in stored[t.number].user_attrs["scores"]),
+                             "test": round(task.score(program, task.test)["expected"], 6)} for t, program in asked)
+
+    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
+    lm = task.lm(0.0)
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                dspy.context(lm=lm):
+            flowopt.compile(dspy.Predict("question -> answer"), task.train, metric, valset=task.val,
+                            stages=[Capturing(n_candidates=11, extra=0, pruner="none")], num_threads=8, quiet=True)
+    finally:
+        logging.disable(previous)
+    return {"seed": seed, "shape": shape, "calls": lm.engine.calls, "candidates": captured}
+
+
+def replay(record: dict[str, Any], rule: Pruner, threads: int = 8) -> dict[str, Any]:
+    """Race ``rule`` on one seed's full scores as the search's one wave would: pick, calls, pruning looks."""
+    full = {c["number"]: [float(x) for x in c["scores"]] for c in record["candidates"]}
+    n = len(next(iter(full.values())))
+    ends = rule.rung_ends(n, None)
+    alive, scores, prev, stopped = sorted(full), {k: [] for k in full}, 0, {}
+    while alive and prev < n:
+        behind = [k for k in alive if len(scores[k]) < n]
+        if not behind:
+            break
+        cum = next_look(ends, prev, len(behind), threads)
+        for k in behind:
+            scores[k] = full[k][:cum]
+        prev = cum
+        if cum < n:
+            if rule.scores_leader_ahead:
+                leader = max(alive, key=lambda k: (sum(full[k][:cum]), -k))
+                scores[leader] = full[leader]
+            pruned = rule.prune(Look({k: scores[k] for k in alive}, {}, cum, 0, population=n))
+            stopped.update({k: cum for k in pruned})
+            alive = [k for k in alive if k not in pruned]
+    bootstraps = record["calls"] - n * len(full)
+    pick = max(alive, key=lambda k: (sum(full[k]), -k))
+    return {"pick": pick, "calls": bootstraps + sum(len(v) for v in scores.values()), "stopped": stopped}
+
+
+def compare(records: list[dict[str, Any]], make: Callable[[], Pruner]) -> dict[str, Any]:
+    """A rule over ``records``: test difference against BFRS's pick, picks that differ, calls ratio, and
+    at which look the valset's best was stopped where it was."""
+    diffs, ratios, at = [], [], []
+    for record in records:
+        test = {c["number"]: c["test"] for c in record["candidates"]}
+        totals = {c["number"]: c["scores"].count("1") for c in record["candidates"]}
+        best = max(totals, key=lambda k: (totals[k], -k))  # BFRS's pick: the first of the best
+        out = replay(record, make())
+        diffs.append(test[out["pick"]] - test[best])
+        ratios.append(out["calls"] / record["calls"])
+        if best in out["stopped"]:
+            at.append(out["stopped"][best])
+    return {"diff": [round(x, 5) for x in mean_ci(diffs)], "worse": sum(d < -1e-9 for d in diffs),
+            "better": sum(d > 1e-9 for d in diffs), "best_stopped": len(at), "best_stopped_at": sorted(at),
+            "calls_ratio": round(statistics.fmean(ratios), 4), "max_calls_ratio": round(max(ratios), 4),
+            "n": len(records)}
+
+
+def check(records: list[dict[str, Any]], log: Path, method: str = "flowopt_bfrs8_candidates") -> dict[str, Any]:
+    """The default rule's replayed calls and pick test score against the search's own, from a seeds log."""
+    rows = {(r["seed"], r["shape"]): r["rows"] for r in map(json.loads, log.read_text().splitlines()) if r}
+    same_calls, same_test, n = 0, 0, 0
+    for record in records:
+        row = rows.get((record["seed"], record["shape"]), {}).get(method)
+        if row is None:
+            continue
+        out = replay(record, get_pruner("confidence")())
+        test = {c["number"]: c["test"] for c in record["candidates"]}[out["pick"]]
+        n, same_calls, same_test = n + 1, same_calls + (out["calls"] == row["lm_calls"]), \
+            same_test + (abs(test - row["test"]) < 1e-6)
+    return {"seeds": n, "same_calls": same_calls, "same_test": same_test, "log": str(log), "method": method}
+
+
+def body(summary: dict[str, Any], args: Any) -> list[str]:
+    lines = [f"{args.seeds} seeds a shape from each first seed {args.first_seed}, {args.train} train / {args.val} val "
+             f"/ {args.test} test, 8 threads. Test difference: the rule's pick against BFRS(8)'s (the valset's "
+             "best), expected accuracy on the test split, paired per seed, mean [95% t-interval]. Calls: exact, "
+             "x BFRS(8)'s (mean; max over the seeds). 'Best stopped': seeds in which the rule stopped the "
+             "valset's best candidate, and at which look (examples scored).", ""]
+    rows = [[shape, rule, f"{r['diff'][0]:+.4f} [{r['diff'][1]:+.4f}, {r['diff'][2]:+.4f}]",
+             f"{r['better']}/{r['n'] - r['better'] - r['worse']}/{r['worse']}",
+             f"{r['best_stopped']} ({', '.join(map(str, r['best_stopped_at'])) or '-'})",
+             f"{r['calls_ratio']:.3f}x ({r['max_calls_ratio']:.2f}x)"]
+            for shape, by_rule in summary["rules"].items() for rule, r in by_rule.items()]
+    lines += markdown_table(["shape", "rule", "test difference [95% CI]", "better/equal/worse", "best stopped (at)",
+                             "LM calls x BFRS(8) (max)"], rows, align="llrrrr")
+    if summary.get("check"):
+        c = summary["check"]
+        lines += ["", f"Replay check against `{c['log']}` ({c['method']}): of {c['seeds']} seeds in common, the "
+                      f"replayed default rule gives the search's own LM calls on {c['same_calls']} and its pick's "
+                      f"test score on {c['same_test']}."]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = PerfParser("search_pruning_replay", __doc__, smoke=SMOKE)
+    parser.add_argument("--seeds", type=int, default=20, help="seeds a shape, from each first seed")
+    parser.add_argument("--first-seed", type=int, nargs="+", default=[0, 10000])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--train", type=int, default=60)
+    parser.add_argument("--val", type=int, default=100)
+    parser.add_argument("--test", type=int, default=300)
+    parser.add_argument("--scores", type=Path, default=None,
+                        help="JSON-lines file of the seeds' full scores: read if it exists (no LM calls), else written")
+    parser.add_argument("--check", type=Path, default=None, help="a search_defaults seeds log to check the replay by")
+    parser.add_argument("--check-method", default="flowopt_bfrs8_candidates",
+                        help="the log's method that ran the search's default rule on these candidates")
+    run = start_run(parser, argv)
+    args = run.args
+    jobs = [(SHAPES.index(shape) + 3 * i, shape, args.train, args.val, args.test)
+            for first in args.first_seed for i in range(first, first + args.seeds) for shape in SHAPES]
+    if args.scores is not None and args.scores.exists():
+        wanted = {(seed, shape) for seed, shape, *_ in jobs}
+        lines = args.scores.read_text().splitlines()
+        records = [r for r in map(json.loads, lines) if (r["seed"], r["shape"]) in wanted]
+    else:
+        with ProcessPoolExecutor(max_workers=args.workers) as pool:
+            records = list(pool.map(collect, jobs))
+        if args.scores is not None:
+            args.scores.write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary: dict[str, Any] = {"rules": {}}
+    for shape in [*SHAPES, "all"]:
+        chosen = [r for r in records if shape in ("all", r["shape"])]
+        if chosen:
+            summary["rules"][shape] = {name: compare(chosen, make) for name, make in RULES.items()}
+    if args.check is not None:
+        summary["check"] = check(records, args.check, args.check_method)
+    run.finish("Pruning rules replayed on BFRS(8)'s candidates", {"summary": summary}, body(summary, args))
+    return 0
+
+
+if __name__ == "__main__":
+    setup_logging()
+    raise SystemExit(main())
