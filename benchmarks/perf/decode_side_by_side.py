@@ -55,7 +55,8 @@ from flowopt.io import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
-SMOKE = {"model": "tiny", "callers": "1,4", "tokens": 4, "repeats": 1, "impls": "local,generate", "dtype": "float32"}
+SMOKE = {"model": "tiny", "callers": "1,4", "tokens": 4, "repeats": 1, "impls": "local,local-int8,generate",
+         "dtype": "float32", "agreement": 2}
 IMPLS = ("local", "local-compiled", "local-int8", "local-int4", "generate", "generate-static")
 QUANTIZED = {"local-int8": "int8", "local-int4": "int4"}
 
@@ -146,6 +147,38 @@ def agreement(local: Any, twins: dict[str, Any], prompts: list[list[int]], token
     return out
 
 
+def report(args: Any, impls: list[str], callers: list[int], results: dict[str, Any]) -> tuple[list[str], list[Goal]]:
+    """The page's body (rates table, greedy agreement) and the goals of one run."""
+    rates = results["rates"]
+    rows = [[name, *(rates[str(c)].get(name, "") for c in callers)] for name in impls]
+    body = [f"Model `{args.model}` on `{results['device']}` ({results['dtype']}); greedy, up to {args.tokens} new "
+            "tokens per call; decode tokens/s (median of interleaved repeats; the first round of each is a "
+            "warm-up, seconds in the JSON).", "",
+            *markdown_table(["implementation", *(f"{c} caller(s)" for c in callers)], rows)]
+    goals = []
+    if "local" in impls and 1 in callers and 8 in callers:
+        goals.append(Goal.at_least("LocalLM, 8 callers vs 1 (tokens/s ratio)",
+                                   round(rates["8"]["local"] / rates["1"]["local"], 2), 4))
+    for name in QUANTIZED:
+        if name in impls and 1 in callers:
+            goals.append(Goal.at_least(f"{name}, 1 caller (tokens/s)", rates["1"][name], 25))
+            if 8 in callers:
+                goals.append(Goal.at_least(f"{name}, 8 callers vs 1 (tokens/s ratio)",
+                                           round(rates["8"][name] / rates["1"][name], 2), 4))
+    if "greedy_agreement" in results:
+        body += ["", f"Greedy agreement with `local` ({results['greedy_agreement']['prompts']} prompts, up to "
+                 f"{args.tokens} tokens): " + "; ".join(
+                     f"{n}: {v['identical']} identical, mean common prefix {v['mean_common_prefix']:.0%}"
+                     for n, v in results["greedy_agreement"].items() if isinstance(v, dict)) + "."]
+    if "generate-static" in impls and "local-compiled" in impls:
+        for c in (1, 64):
+            if c in callers:
+                goals.append(Goal.at_least(f"LocalLM compiled vs generate static compiled, {c} caller(s)",
+                                           round(rates[str(c)]["local-compiled"] / rates[str(c)]["generate-static"], 3),
+                                           1.0 if c == 1 else 0.9))
+    return body, goals
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = PerfParser("decode_side_by_side", __doc__, smoke=SMOKE)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -208,33 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         local.close()
         compiled.close()
     run.sibling(".partial.json").unlink(missing_ok=True)
-    rates = results["rates"]
-    rows = [[name, *(rates[str(c)].get(name, "") for c in callers)] for name in impls]
-    body = [f"Model `{args.model}` on `{results['device']}` ({results['dtype']}); greedy, up to {args.tokens} new "
-            "tokens per call; decode tokens/s (median of interleaved repeats; the first round of each is a "
-            "warm-up, seconds in the JSON).", "",
-            *markdown_table(["implementation", *(f"{c} caller(s)" for c in callers)], rows)]
-    goals = []
-    if "local" in impls and 1 in callers and 8 in callers:
-        goals.append(Goal.at_least("LocalLM, 8 callers vs 1 (tokens/s ratio)",
-                                   round(rates["8"]["local"] / rates["1"]["local"], 2), 4))
-    for name in QUANTIZED:
-        if name in impls and 1 in callers:
-            goals.append(Goal.at_least(f"{name}, 1 caller (tokens/s)", rates["1"][name], 25))
-            if 8 in callers:
-                goals.append(Goal.at_least(f"{name}, 8 callers vs 1 (tokens/s ratio)",
-                                           round(rates["8"][name] / rates["1"][name], 2), 4))
-    if "greedy_agreement" in results:
-        body += ["", f"Greedy agreement with `local` ({results['greedy_agreement']['prompts']} prompts, up to "
-                 f"{args.tokens} tokens): " + "; ".join(
-                     f"{n}: {v['identical']} identical, mean common prefix {v['mean_common_prefix']:.0%}"
-                     for n, v in results["greedy_agreement"].items() if isinstance(v, dict)) + "."]
-    if "generate-static" in impls and "local-compiled" in impls:
-        for c in (1, 64):
-            if c in callers:
-                goals.append(Goal.at_least(f"LocalLM compiled vs generate static compiled, {c} caller(s)",
-                                           round(rates[str(c)]["local-compiled"] / rates[str(c)]["generate-static"], 3),
-                                           1.0 if c == 1 else 0.9))
+    body, goals = report(args, impls, callers, results)
     run.finish("Decode tokens/s side by side: LocalLM vs transformers generate (dynamic, static compiled)",
                results, body, goals=goals)
     return 0

@@ -165,6 +165,9 @@ def _decode_side_by_side(r: dict[str, Any]) -> None:
     # Greedy, same prompts and limit, both stop at EOS: LocalLM and generate produce the same number of tokens.
     assert all(t["local"] == t["generate"] for t in r["tokens"].values())
     assert r["local_decode_stats"]["steps"] > 0
+    # The quantized twin decoded (its one-row steps), and its greedy tokens were compared with local's.
+    assert r["local-int8_decode_stats"]["decode_path"] == "decode step on cpu: weight-only int8 twin"
+    assert r["greedy_agreement"]["prompts"] == 2 and 0 <= r["greedy_agreement"]["local-int8"]["identical"] <= 2
 
 
 def _weights_distributed(r: dict[str, Any]) -> None:
