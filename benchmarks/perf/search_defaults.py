@@ -49,7 +49,7 @@ from typing import Any
 import dspy
 
 from flowopt.benchmarks.perf.harness import Goal, PerfParser, markdown_table, setup_logging, start_run
-from flowopt.benchmarks.perf.search_tasks import DEMOS_ONLY, Task, mean_ci, metric
+from flowopt.benchmarks.perf.search_tasks import DEMOS_ONLY, Task, dspy_cache_off, mean_ci, metric
 
 SHAPES = (DEMOS_ONLY, "needles", "instructions")
 METHODS = ("bfrs16", "mipro_light", "gepa_light", "flowopt_defaults", "bfrs8", "flowopt_bfrs8_candidates",
@@ -78,12 +78,11 @@ def run_method(name: str, task: Task, threads: int, calls_of: dict[str, int]) ->
     """Run one method on one task, on a fresh scripted LM: the pick's scores, exact LM calls, wall time."""
     import flowopt
 
-    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
     lm = task.lm(0.0)
     student = dspy.Predict("question -> answer")
     info: dict[str, Any] = {}
     start = time.perf_counter()
-    with dspy.context(lm=lm):
+    with dspy_cache_off(), dspy.context(lm=lm):
         if name in ("bfrs16", "bfrs8"):
             from dspy.teleprompt import BootstrapFewShotWithRandomSearch
 

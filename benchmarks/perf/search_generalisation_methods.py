@@ -10,7 +10,7 @@ from typing import Any
 
 import dspy
 
-from flowopt.benchmarks.perf.search_tasks import Task, metric
+from flowopt.benchmarks.perf.search_tasks import Task, dspy_cache_off, metric
 from flowopt.optimizers.search.pruning import ALPHA
 
 STRICT_ALPHA = 0.05  # the stricter level a user can ask for (the default is pruning.ALPHA, 0.1)
@@ -132,13 +132,12 @@ REPORT_KEYS = ("pruned", "fully_scored", "extra", "why", "best_kind", "best_cand
 def run_method(name: str, task: Task, args: Any, bfrs8_calls: int | None) -> dict[str, Any]:
     import flowopt
 
-    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
     lm = task.lm(args.latency)
     student = dspy.Predict("question -> answer")
     info: dict[str, Any] = {}
     search = None
     start = time.perf_counter()
-    with dspy.context(lm=lm):
+    with dspy_cache_off(), dspy.context(lm=lm):
         if name in ("bfrs8", "bfrs16"):
             from dspy.teleprompt import BootstrapFewShotWithRandomSearch
 

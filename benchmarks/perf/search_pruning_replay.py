@@ -37,7 +37,7 @@ from typing import Any
 import dspy
 
 from flowopt.benchmarks.perf.harness import PerfParser, markdown_table, setup_logging, start_run
-from flowopt.benchmarks.perf.search_tasks import DEMOS_ONLY, Task, mean_ci, metric
+from flowopt.benchmarks.perf.search_tasks import DEMOS_ONLY, Task, dspy_cache_off, mean_ci, metric
 from flowopt.optimizers.search.pruners import ConfidencePruner, Look, Pruner, get_pruner
 from flowopt.optimizers.search.pruning import first_look, looks, next_look, worse_than
 
@@ -106,13 +106,12 @@ def collect(job: tuple[int, str, int, int, int]) -> dict[str, Any]:
                              "scores": "".join(str(round(s)) for s in stored[t.number].user_attrs["scores"]),
                              "test": round(task.score(program, task.test)["expected"], 6)} for t, program in asked)
 
-    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
     lm = task.lm(0.0)
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-                dspy.context(lm=lm):
+                dspy_cache_off(), dspy.context(lm=lm):
             flowopt.compile(dspy.Predict("question -> answer"), task.train, metric, valset=task.val,
                             stages=[Capturing(n_candidates=11, extra=0, pruner="none")], num_threads=8, quiet=True)
     finally:

@@ -27,12 +27,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import random
 import re
 import statistics
+from collections.abc import Iterator
 from typing import Any
 
 import dspy
@@ -134,6 +136,21 @@ class Task:
         ids = [self.index[e.question] for e in split]
         return {"expected": statistics.fmean(self.probability(demos, instruction, i) for i in ids),
                 "realised": statistics.fmean(float(self.correct(demos, instruction, i)) for i in ids)}
+
+
+@contextlib.contextmanager
+def dspy_cache_off() -> Iterator[None]:
+    """DSPy's cache off inside the block (every scripted call is a real, counted one), the caller's back after.
+
+    ``dspy.configure_cache`` replaces the process's cache for good; a test that runs a method in-process
+    would otherwise leave every later test without one.
+    """
+    saved = dspy.cache
+    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
+    try:
+        yield
+    finally:
+        dspy.cache = saved
 
 
 def metric(example: Any, pred: Any, trace: Any = None) -> float:

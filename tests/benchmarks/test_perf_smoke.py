@@ -83,6 +83,17 @@ def _search_defaults(r: dict[str, Any]) -> None:
     assert pair["n"] == 3 and pair["better"] + pair["equal"] + pair["worse"] == 3
 
 
+def _search_pruning_replay(r: dict[str, Any]) -> None:
+    # One seed a shape from each first seed: every rule raced on the same fully scored candidates.
+    rules = r["summary"]["rules"]
+    assert list(rules) == ["demos_only", "needles", "instructions", "all"]
+    for by_rule in rules.values():
+        assert "confidence (default)" in by_rule and len(by_rule) >= 5
+        for row in by_rule.values():
+            assert 0.0 < row["calls_ratio"] <= 1.0 and row["best_stopped"] == len(row["best_stopped_at"])
+    assert rules["all"]["confidence (default)"]["n"] == 6 and rules["needles"]["stratified"]["n"] == 2
+
+
 def _hotpotqa_sft_vs_trl(r: dict[str, Any]) -> None:
     assert r["pairs"] == 8 and set(r["test"]) == {"baseline", "flowopt", "trl"}
     assert all(row["n"] == 3 and 0.0 <= row["score"] <= 1.0 for row in r["test"].values())
@@ -217,6 +228,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "compile_vs_dspy": ((), _compile_vs_dspy),
     "search_generalisation": ((), _search_generalisation),
     "search_defaults": ((), _search_defaults),
+    "search_pruning_replay": ((), _search_pruning_replay),
     "lm_throughput": ((), _lm_throughput),
     "decode_side_by_side": ((), _decode_side_by_side),
     "hotpotqa_sft_vs_trl": (("trl",), _hotpotqa_sft_vs_trl),

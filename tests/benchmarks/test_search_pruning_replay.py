@@ -5,7 +5,7 @@ from __future__ import annotations
 import dspy
 
 from flowopt.benchmarks.perf.search_pruning_replay import RULES, collect, compare, replay
-from flowopt.benchmarks.perf.search_tasks import Task, metric
+from flowopt.benchmarks.perf.search_tasks import Task, dspy_cache_off, metric
 from flowopt.optimizers.search.pruners import get_pruner
 
 
@@ -17,11 +17,12 @@ def test_the_default_rule_replayed_gives_the_searchs_own_calls_and_pick():
     assert len(record["candidates"]) == 11 and all(len(c["scores"]) == 40 for c in record["candidates"])
 
     task = Task(1, 30, 40, 60, shape="needles")
-    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
     lm = task.lm(0.0)
-    with dspy.context(lm=lm):
+    cache = dspy.cache
+    with dspy_cache_off(), dspy.context(lm=lm):
         out = flowopt.compile(dspy.Predict("question -> answer"), task.train, metric, valset=task.val,
                               stages=[("search", {"n_candidates": 11, "extra": 0})], num_threads=8, quiet=True)
+    assert dspy.cache is cache  # the caller's DSPy cache is back: later tests still count cache hits
     replayed = replay(record, get_pruner("confidence")())
     assert replayed["calls"] == lm.engine.calls < record["calls"]
     test = {c["number"]: c["test"] for c in record["candidates"]}[replayed["pick"]]
