@@ -1,8 +1,8 @@
 """An opt-in, decode-only twin of a model with weight-only quantized linears (CPU).
 
-A batch-1 decode step on a CPU reads every weight once per token, so its time is the bytes it reads: the
-embedded Gemma 3 270M reads ~535 MB of bf16 per token (the 262k x 640 output projection 335 MB, 126 body
-linears ~200 MB), a floor of ~38 ms on the shared 2-core machine (``benchmarks/results/decode_profile.md``).
+A batch-1 decode step on a CPU reads every weight once per token, so its time is bounded below by the bytes
+it reads: in bf16 the embedded Gemma 3 270M reads its 262k x 640 output projection and its 126 body linears
+in full for every token (the measured split: ``benchmarks/results/decode_profile.md``).
 :func:`decode_twin` builds a copy of the decoder and the output projection in which
 
 - every ``nn.Linear`` of the body is int8 per output row (symmetric; torchao's ``Int8Tensor`` picks the
