@@ -13,6 +13,7 @@ token limit, on the same weights in one process, and stops at EOS. ``C`` concurr
 - ``local-int8`` / ``local-int4``: ``local`` with ``quantize="int8"`` / ``"int4"`` (CPU: one-row steps
   through a weight-only quantized twin, :mod:`flowopt.lm.quantize`), on the same model; ``--agreement``
   also counts how many of the prompts each decodes greedily to exactly the tokens ``local`` decodes;
+- ``local-int8-compiled`` / ``local-int4-compiled``: the same twins with the decode step compiled too;
 - ``generate``: one ``model.generate`` call on the C prompts, left-padded (its default dynamic cache);
 - ``generate-static``: the same with ``cache_implementation="static"`` and its forward compiled by
   transformers (``CompileConfig``; on CPU forced on, with inductor's default mode).
@@ -57,8 +58,11 @@ logger = logging.getLogger(__name__)
 
 SMOKE = {"model": "tiny", "callers": "1,4", "tokens": 4, "repeats": 1, "impls": "local,local-int8,generate",
          "dtype": "float32", "agreement": 2}
-IMPLS = ("local", "local-compiled", "local-int8", "local-int4", "generate", "generate-static")
-QUANTIZED = {"local-int8": "int8", "local-int4": "int4"}
+IMPLS = ("local", "local-compiled", "local-int8", "local-int4", "local-int8-compiled", "local-int4-compiled",
+         "generate", "generate-static")
+# name: (quantize, compile) of a LocalLM twin on the same model
+QUANTIZED = {"local-int8": ("int8", False), "local-int4": ("int4", False), "local-int8-compiled": ("int8", True),
+             "local-int4-compiled": ("int4", True)}
 
 
 def load(model: str, device: str, dtype: str, folder: Path) -> Any:
@@ -210,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                                       batch_wait_ms=5, compile=True)
         prompts = [local.render(t) for t in gsm8k_prompts(max(max(callers), 4, args.agreement))]
         twins = {name: LocalLM.from_model(local.model, local.tokenizer, name=name, max_new_tokens=args.tokens,
-                                          batch_wait_ms=5, compile=False, quantize=scheme)
-                 for name, scheme in QUANTIZED.items() if name in impls}
+                                          batch_wait_ms=5, compile=compiled_step, quantize=scheme)
+                 for name, (scheme, compiled_step) in QUANTIZED.items() if name in impls}
         cases: dict[str, Any] = {
             "local": lambda c: local_round(local, prompts[:max(c, 4)], c, args.tokens),
             **{name: (lambda c, twin=twin: local_round(twin, prompts[:max(c, 4)], c, args.tokens))
