@@ -16,8 +16,8 @@ in full for every token (the measured split: ``benchmarks/results/decode_profile
 Everything else (embedding, rotary, attention, the KV cache) is the model's own modules and tensors,
 shared, not copied. Steps of more than :data:`QUANTIZED_MAX_ROWS` rows (prefill, batches) go through the
 exact weights (the twin keeps them by reference), so only small steps change. The twin is for decoding
-only: scoring and training use the model itself, and :func:`weights_key` tells a caller when the model's
-weights changed under the twin (rebuild it then).
+only: scoring and training use the model itself, and :meth:`DecodeTwin.current` tells a caller when the
+model's weights changed under the twin (rebuild it then).
 """
 
 from __future__ import annotations
