@@ -12,10 +12,16 @@ which it stopped the valset's best, and its LM calls (the bootstraps, which ever
 valset scores it asked for). The replay of the default rule gives the search's own calls and pick: the
 ``--check`` option compares them with a ``search_defaults`` seeds log.
 
-Rules: the registered ones at the default ``alpha`` (0.1) and ``alpha=0.05``, and three variants defined
-here (not the search's): looks every 10% of the valset instead of 5%; a challenger stopped only when shown
+Rules: the registered ones at the default ``alpha`` (0.1) and ``alpha=0.05``, and variants defined here
+(not the search's): looks every 10% of the valset instead of 5%; a challenger stopped only when shown
 worse than each of the two best (a lucky leader alone cannot stop it); the confidence test at
-``alpha / (live challengers)`` (Bonferroni over the comparisons a look makes).
+``alpha / (live challengers)`` (Bonferroni over the comparisons a look makes); alpha spent unevenly
+(``alpha=0.05`` at the first look, where the leader is ahead partly by selection, 0.1 after); the
+stratified rule at ``alpha=0.05`` or with looks every 10%; "two best" at ``alpha=0.2`` with looks every
+10%; successive halving at optuna's ``SuccessiveHalvingPruner`` rungs (20, 40, 80; keep the best half),
+in its synchronous form (optuna's own judges each trial against those that reached the rung before it
+asked, so in a race it depends on the order of asking). "Where the calls go" splits a few rules' calls:
+bootstraps, the incumbent (never pruned), the pick, the other fully scored candidates, the stopped ones.
 
 Seeds: world seed ``shape_index + 3 * i`` as ``search_defaults``; the tuning blocks are ``--first-seed 0``
 and ``10000``. Run:  nice -n 5 python -m flowopt.benchmarks.perf.search_pruning_replay --first-seed 0 10000
@@ -38,18 +44,55 @@ import dspy
 
 from flowopt.benchmarks.perf.harness import PerfParser, markdown_table, setup_logging, start_run
 from flowopt.benchmarks.perf.search_tasks import DEMOS_ONLY, Task, dspy_cache_off, mean_ci, metric
-from flowopt.optimizers.search.pruners import ConfidencePruner, Look, Pruner, get_pruner
-from flowopt.optimizers.search.pruning import first_look, looks, next_look, worse_than
+from flowopt.optimizers.search.pruners import (
+    ConfidencePruner,
+    HalvingPruner,
+    Look,
+    Pruner,
+    StratifiedPruner,
+    get_pruner,
+)
+from flowopt.optimizers.search.pruning import first_look, looks, next_look, rungs, worse_than
 
 SHAPES = (DEMOS_ONLY, "needles", "instructions")
 SMOKE = {"seeds": 1, "train": 30, "val": 40, "test": 60}
 
 
-class LooksEvery10(ConfidencePruner):
-    """The confidence rule, looking every 10% of the valset (half the looks: half the chances to prune a tie)."""
+class Every10:
+    """Looks every 10% of the valset instead of 5% (half the looks: half the chances to prune a tie); mixed
+    in before a rule."""
 
     def rung_ends(self, n: int, minibatch_size: int | None) -> list[int]:
         return looks(n, first_look(n, minibatch_size), every=max(1, round(n / 10)))
+
+
+class LooksEvery10(Every10, ConfidencePruner):
+    """The confidence rule, looking every 10% of the valset."""
+
+
+class StratifiedEvery10(Every10, StratifiedPruner):
+    """The stratified rule (the look's leader scored ahead), looking every 10% of the valset."""
+
+
+class StricterFirstLook(Every10, ConfidencePruner):
+    """Alpha spent unevenly: the confidence test at ``FIRST_ALPHA`` at the first look (where the leader is
+    the best of every candidate on 20 examples, so ahead partly by selection), at ``alpha`` after, looking
+    every 10%."""
+
+    FIRST_ALPHA = 0.05
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.looked = False
+
+    def worse(self, challenger: Any, leader: Any, population: int | None) -> bool:
+        alpha = self.alpha if self.looked else min(self.alpha, self.FIRST_ALPHA)
+        return worse_than(challenger, leader, alpha, population=population)
+
+    def prune(self, look: Look) -> dict[int, str]:
+        out = super().prune(look)
+        self.looked = True
+        return out
 
 
 class WorseThanTwo(ConfidencePruner):
@@ -77,6 +120,24 @@ class Bonferroni(ConfidencePruner):
         return super().prune(look)
 
 
+class WorseThanTwoEvery10(Every10, WorseThanTwo):
+    """"Worse than each of the two best", looking every 10% of the valset."""
+
+
+class HalvingFrom20(HalvingPruner):
+    """Successive halving with optuna's ``SuccessiveHalvingPruner`` rungs at ``min_resource=20,
+    reduction_factor=2`` (20, 40, 80 examples): each rung keeps the best half of the challengers. optuna's
+    own pruner is asynchronous: a trial is judged against the trials that reached the rung *before it asked*
+    (the first to ask is always kept), so in a race whose candidates all reach a rung together its verdicts
+    depend on the order they ask in; the search's ``"halving"`` rule is its synchronous form."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{**kwargs, "reduction_factor": 2})
+
+    def rung_ends(self, n: int, minibatch_size: int | None) -> list[int]:
+        return rungs(n, first_look(n, minibatch_size), 2.0)
+
+
 RULES: dict[str, Callable[[], Pruner]] = {
     "confidence (default)": lambda: get_pruner("confidence")(),
     "confidence, alpha=0.05": lambda: get_pruner("confidence")(alpha=0.05),
@@ -85,7 +146,15 @@ RULES: dict[str, Callable[[], Pruner]] = {
     "confidence, looks every 10%": LooksEvery10,
     "worse than each of the two best": WorseThanTwo,
     "confidence, Bonferroni over the challengers": Bonferroni,
+    "confidence, alpha=0.05 at the first look, looks every 10%": StricterFirstLook,
+    "stratified, alpha=0.05": lambda: get_pruner("stratified")(alpha=0.05),
+    "stratified, looks every 10%": StratifiedEvery10,
+    "stratified, alpha=0.02, looks every 10%": lambda: StratifiedEvery10(alpha=0.02),
+    "two best, alpha=0.2, looks every 10%": lambda: WorseThanTwoEvery10(alpha=0.2),
+    "halving, rungs 20, 40, 80 (keep the best half)": HalvingFrom20,
 }
+#: The rules whose calls the report splits (where the calls go).
+SPLIT_RULES = ("confidence (default)", "confidence, alpha=0.05", "stratified, alpha=0.05")
 
 
 def collect(job: tuple[int, str, int, int, int]) -> dict[str, Any]:
@@ -142,7 +211,26 @@ def replay(record: dict[str, Any], rule: Pruner, threads: int = 8) -> dict[str, 
             alive = [k for k in alive if k not in pruned]
     bootstraps = record["calls"] - n * len(full)
     pick = max(alive, key=lambda k: (sum(full[k]), -k))
-    return {"pick": pick, "calls": bootstraps + sum(len(v) for v in scores.values()), "stopped": stopped}
+    return {"pick": pick, "calls": bootstraps + sum(len(v) for v in scores.values()), "stopped": stopped,
+            "bootstraps": bootstraps, "scored": {k: len(v) for k, v in scores.items()}}
+
+
+def where_calls_go(records: list[dict[str, Any]], make: Callable[[], Pruner]) -> dict[str, float]:
+    """A rule's mean LM calls a seed, split: bootstraps (every rule pays them), the incumbent (never pruned;
+    the compiler scores it on the whole valset as its baseline anyway), the pick, the other fully scored
+    candidates, and the stopped ones."""
+    parts: dict[str, list[float]] = {k: [] for k in ("bootstraps", "incumbent", "pick", "others_full", "stopped")}
+    for record in records:
+        out = replay(record, make())
+        n = len(record["candidates"][0]["scores"])
+        incumbent = next(c["number"] for c in record["candidates"] if c["kind"] == "incumbent")
+        rest = {k: v for k, v in out["scored"].items() if k not in (incumbent, out["pick"])}
+        parts["bootstraps"].append(out["bootstraps"])
+        parts["incumbent"].append(out["scored"][incumbent] if incumbent != out["pick"] else 0)
+        parts["pick"].append(out["scored"][out["pick"]])
+        parts["others_full"].append(sum(v for v in rest.values() if v == n))
+        parts["stopped"].append(sum(v for v in rest.values() if v < n))
+    return {k: round(statistics.fmean(v), 1) for k, v in parts.items()}
 
 
 def compare(records: list[dict[str, Any]], make: Callable[[], Pruner]) -> dict[str, Any]:
@@ -192,6 +280,15 @@ def body(summary: dict[str, Any], args: Any) -> list[str]:
             for shape, by_rule in summary["rules"].items() for rule, r in by_rule.items()]
     lines += markdown_table(["shape", "rule", "test difference [95% CI]", "better/equal/worse", "best stopped (at)",
                              "LM calls x BFRS(8) (max)"], rows, align="llrrrr")
+    split = summary.get("calls_split", {})
+    if split:
+        lines += ["", f"Where the calls go (all seeds, mean LM calls a seed; BFRS(8): {summary['bfrs8_calls']:.1f}, "
+                      "the unpruned search's calls):", ""]
+        keys = ("bootstraps", "incumbent", "pick", "others_full", "stopped")
+        lines += markdown_table(["rule", "bootstraps", "incumbent (zero-shot)", "pick", "other fully scored",
+                                 "stopped candidates", "total"],
+                                [[rule, *(f"{parts[k]:.1f}" for k in keys), f"{sum(parts[k] for k in keys):.1f}"]
+                                 for rule, parts in split.items()], align="lrrrrrr")
     if summary.get("check"):
         c = summary["check"]
         lines += ["", f"Replay check against `{c['log']}` ({c['method']}): of {c['seeds']} seeds in common, the "
@@ -231,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [r for r in records if shape in ("all", r["shape"])]
         if chosen:
             summary["rules"][shape] = {name: compare(chosen, make) for name, make in RULES.items()}
+    summary["bfrs8_calls"] = statistics.fmean(r["calls"] for r in records)
+    summary["calls_split"] = {name: where_calls_go(records, RULES[name]) for name in SPLIT_RULES}
     if args.check is not None:
         summary["check"] = check(records, args.check, args.check_method)
     run.finish("Pruning rules replayed on BFRS(8)'s candidates", {"summary": summary}, body(summary, args))

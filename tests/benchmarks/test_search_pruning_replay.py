@@ -6,7 +6,7 @@ import dspy
 
 from flowopt.benchmarks.perf.search_pruning_replay import RULES, collect, compare, replay
 from flowopt.benchmarks.perf.search_tasks import Task, dspy_cache_off, metric
-from flowopt.optimizers.search.pruners import get_pruner
+from flowopt.optimizers.search.pruners import Look, get_pruner
 
 
 def test_the_default_rule_replayed_gives_the_searchs_own_calls_and_pick():
@@ -40,3 +40,38 @@ def test_no_pruning_is_bfrss_pick_at_bfrss_calls_and_every_rule_is_compared():
     assert stopped["pick"] == 1 and stopped["stopped"] == {2: 20}  # 15 losses, no wins at the first look
     assert stopped["calls"] == 5 + 40 + 40 + 20
     assert all(compare([record], make)["n"] == 1 for make in RULES.values())
+
+
+def test_the_first_look_is_judged_at_the_stricter_level_and_later_looks_at_alpha():
+    from flowopt.benchmarks.perf.search_pruning_replay import StricterFirstLook
+
+    rule = StricterFirstLook()  # alpha 0.05 at the first look, 0.1 after
+    behind = {1: [1.0] * 20, 2: [0.0] * 4 + [1.0] * 16}  # 4 losses, no wins: McNemar's p = 1/16 = 0.0625
+    assert rule.prune(Look(behind, {}, 20)) == {}
+    assert set(rule.prune(Look(behind, {}, 20))) == {2}
+    assert rule.rung_ends(100, None) == [20, 30, 40, 50, 60, 70, 80, 90, 100]
+
+
+def test_halving_at_optunas_rungs_keeps_the_best_half_whatever_the_order_and_never_the_incumbent():
+    from flowopt.benchmarks.perf.search_pruning_replay import HalvingFrom20
+
+    live = {0: [0.0] * 20, 1: [1.0] * 20, 2: [1.0] * 12 + [0.0] * 8, 3: [1.0] * 4 + [0.0] * 16,
+            4: [1.0] * 10 + [0.0] * 10}
+    rule = HalvingFrom20()
+    assert rule.rung_ends(100, None) == [20, 40, 80, 100]
+    assert set(rule.prune(Look(live, {}, 20, incumbent=0))) == {3, 4}  # 1 and 2 kept; 0 is the incumbent
+    backwards = dict(reversed(list(live.items())))
+    assert set(rule.prune(Look(backwards, {}, 20, incumbent=0))) == {3, 4}
+
+
+def test_where_the_calls_go_adds_up_to_the_replayed_calls():
+    from flowopt.benchmarks.perf.search_pruning_replay import where_calls_go
+
+    record = {"seed": 0, "shape": "demos_only", "calls": 5 + 3 * 40, "candidates": [
+        {"number": 0, "kind": "incumbent", "scores": "10" * 20, "test": 0.5},
+        {"number": 1, "kind": "bootstrap", "scores": "1110" * 10, "test": 0.7},
+        {"number": 2, "kind": "labeled", "scores": "0" * 40, "test": 0.1}]}
+    make = RULES["confidence (default)"]
+    split = where_calls_go([record], make)
+    assert split == {"bootstraps": 5, "incumbent": 40, "pick": 40, "others_full": 0, "stopped": 20}
+    assert sum(split.values()) == replay(record, make())["calls"]
