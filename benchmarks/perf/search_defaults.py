@@ -49,7 +49,7 @@ from typing import Any
 import dspy
 
 from flowopt.benchmarks.perf.harness import Goal, PerfParser, markdown_table, setup_logging, start_run
-from flowopt.benchmarks.perf.search_tasks import DEMOS_ONLY, Task, dspy_cache_off, mean_ci, metric
+from flowopt.benchmarks.perf.search_tasks import DEMOS_ONLY, Task, dspy_cache, mean_ci, metric
 
 SHAPES = (DEMOS_ONLY, "needles", "instructions")
 METHODS = ("bfrs16", "mipro_light", "gepa_light", "flowopt_defaults", "bfrs8", "flowopt_bfrs8_candidates",
@@ -74,15 +74,15 @@ BUDGETED = {"flowopt_at_mipro_calls": "mipro_light", "flowopt_at_gepa_calls": "g
 SMOKE = {"seeds": 1, "workers": 1, "threads": 4, "train": 30, "val": 40, "test": 60}
 
 
-def run_method(name: str, task: Task, threads: int, calls_of: dict[str, int]) -> dict[str, Any]:
+def run_method(name: str, task: Task, threads: int, calls_of: dict[str, int], cache: bool = False) -> dict[str, Any]:
     """Run one method on one task, on a fresh scripted LM: the pick's scores, exact LM calls, wall time."""
     import flowopt
 
-    lm = task.lm(0.0)
+    lm = task.lm(0.0, cache=cache)
     student = dspy.Predict("question -> answer")
     info: dict[str, Any] = {}
     start = time.perf_counter()
-    with dspy_cache_off(), dspy.context(lm=lm):
+    with dspy_cache(cache), dspy.context(lm=lm):
         if name in ("bfrs16", "bfrs8"):
             from dspy.teleprompt import BootstrapFewShotWithRandomSearch
 
@@ -136,7 +136,7 @@ def run_seed(job: tuple[int, str], args: Any, logged: dict[str, dict[str, Any]] 
             for name in args.methods:  # the peers first: the budgeted rows take their calls
                 done = (logged or {}).get(name)
                 rows[name] = done if done is not None else run_method(
-                    name, task, args.threads, {k: v["lm_calls"] for k, v in rows.items()})
+                    name, task, args.threads, {k: v["lm_calls"] for k, v in rows.items()}, args.dspy_cache)
     finally:
         logging.disable(previous)
     return {"seed": seed, "shape": shape, "rows": rows}
@@ -194,9 +194,10 @@ def goals(summary: dict[str, Any]) -> list[Goal]:
 
 
 def body(summary: dict[str, Any], args: Any) -> list[str]:
+    cache = "on (in memory, fresh for each run)" if getattr(args, "dspy_cache", False) else "off"
     lines = [f"Task shapes: see the script's docstring. {args.seeds} paired seeds a shape, {args.train} train / "
              f"{args.val} val / {args.test} held-out test, scripted LM (no latency), {args.threads} threads, "
-             f"{args.workers} seeds at a time, DSPy cache off. Test score = expected accuracy of the returned "
+             f"{args.workers} seeds at a time, DSPy cache {cache}. Test score = expected accuracy of the returned "
              "program on the test split. Differences paired per seed: mean [95% t-interval]. LM calls are exact "
              "counts; wall times are under the load above.", ""]
     rows = []
@@ -239,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val", type=int, default=100)
     parser.add_argument("--test", type=int, default=300)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--dspy-cache", action="store_true",
+                        help="DSPy's in-memory cache on (fresh for each method and seed): a request already seen is "
+                             "answered by the cache and not counted")
     parser.add_argument("--seeds-log", type=Path, default=None,
                         help="append each finished seed to this JSON-lines file; the methods a seed has there are "
                              "not run again (a run stopped early goes on from it; a new method joins an earlier run)")

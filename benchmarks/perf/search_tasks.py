@@ -104,7 +104,9 @@ class Task:
         return _u(*key) < self.probability(demos, instruction, i)
 
     # ---------------------------------------------------------------- the fake LM
-    def lm(self, latency: float) -> dspy.LM:
+    def lm(self, latency: float, cache: bool = False) -> dspy.LM:
+        """The task's scripted LM; ``cache=True`` lets DSPy's cache answer a request it has seen (with
+        :func:`dspy_cache`, a fresh in-memory one): then only the requests that reach it are counted."""
         from flowopt.testing import scripted_lm
 
         objective = re.compile(r"your objective is:\s*(.*)\Z", re.S)
@@ -123,7 +125,7 @@ class Task:
             values = {name: text for name in req.output_fields}
             return json.dumps(values) if "JSON" in req.system else values
 
-        return scripted_lm(answer, latency_s=latency, cache=False, model=f"scripted/sim-{self.seed}")
+        return scripted_lm(answer, latency_s=latency, cache=cache, model=f"scripted/sim-{self.seed}")
 
     # ---------------------------------------------------------------- scoring without LM calls
     def program_parts(self, program: Any) -> tuple[list[tuple[str, str]], str]:
@@ -147,6 +149,22 @@ def dspy_cache_off() -> Iterator[None]:
     """
     saved = dspy.cache
     dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
+    try:
+        yield
+    finally:
+        dspy.cache = saved
+
+
+@contextlib.contextmanager
+def dspy_cache(on: bool) -> Iterator[None]:
+    """``on``: DSPy's in-memory cache, fresh and empty, inside the block (what a first run with DSPy's cache
+    gets, without the disk); else :func:`dspy_cache_off`. The caller's cache is back after."""
+    if not on:
+        with dspy_cache_off():
+            yield
+        return
+    saved = dspy.cache
+    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=True)
     try:
         yield
     finally:
