@@ -24,10 +24,15 @@ defaults (``search_defaults_fresh.md``); the kinds' exploration and ``finalists=
 tuned on i = 0..19 and 10000..10019 and confirmed on ``--first-seed 8000`` (world seeds 24000 up,
 ``search_defaults_confirm.md``, ``search_defaults_bfrs8_confirm.md``), and re-measured on
 ``--first-seed 16000`` (world seeds 48000 up, ``search_defaults_block16000.md``,
-``search_defaults_bfrs8_block16000.md``). The world seed
+``search_defaults_bfrs8_block16000.md``; its BFRS(8) candidates fully scored for the pruning replay,
+``search_pruning_replay_block16000.md``, no rule chosen there); ``--first-seed 24000`` (world seeds
+72000 up) is untouched. The world seed
 draws the task (examples, their difficulties and demo qualities); every optimizer runs at its own
 default seed, as a user who passes no settings gets it (``compile()``: 0, whose shuffled bootstraps are
 BFRS's own candidates, so the pair differs only by what the search adds and prunes).
+
+DSPy's cache is off, so every request is a counted call; ``--dspy-cache`` runs each method with a fresh
+in-memory one (``search_defaults_bfrs8_dspy_cache.md``: the same counts, no request repeats).
 
 Run:  nice -n 5 python -m flowopt.benchmarks.perf.search_defaults --seeds 40 --workers 2
 Writes benchmarks/results/search_defaults.{json,md} (``--out STEM``); ``--smoke`` runs one small seed a
