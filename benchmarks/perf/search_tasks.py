@@ -141,34 +141,24 @@ class Task:
 
 
 @contextlib.contextmanager
-def dspy_cache_off() -> Iterator[None]:
-    """DSPy's cache off inside the block (every scripted call is a real, counted one), the caller's back after.
+def dspy_cache(on: bool) -> Iterator[None]:
+    """Inside the block, DSPy's in-memory cache, fresh and empty (``on``: what a first run with DSPy's cache
+    gets, without the disk), or no cache (every scripted call a real, counted one); the caller's after.
 
     ``dspy.configure_cache`` replaces the process's cache for good; a test that runs a method in-process
     would otherwise leave every later test without one.
     """
     saved = dspy.cache
-    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
+    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=on)
     try:
         yield
     finally:
         dspy.cache = saved
 
 
-@contextlib.contextmanager
-def dspy_cache(on: bool) -> Iterator[None]:
-    """``on``: DSPy's in-memory cache, fresh and empty, inside the block (what a first run with DSPy's cache
-    gets, without the disk); else :func:`dspy_cache_off`. The caller's cache is back after."""
-    if not on:
-        with dspy_cache_off():
-            yield
-        return
-    saved = dspy.cache
-    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=True)
-    try:
-        yield
-    finally:
-        dspy.cache = saved
+def dspy_cache_off() -> contextlib.AbstractContextManager[None]:
+    """DSPy's cache off inside the block (:func:`dspy_cache`)."""
+    return dspy_cache(False)
 
 
 def metric(example: Any, pred: Any, trace: Any = None) -> float:
