@@ -73,9 +73,10 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
     the decode step with ``torch.compile`` once per batch bucket (None: on CUDA, where CUDA graphs pay,
     not on CPU, where compiling one bucket took longer than an evaluation); ``local.decode_stats.summary()``
     reports rows per step over time and compile seconds. ``quantize="int8"`` or ``"int4"`` (CPU, needs
-    torchao) decodes DSPy calls one row at a time through a weight-only quantized twin of the model
-    (:mod:`flowopt.lm.quantize`): faster batch-1 steps, outputs close to but not always equal to the exact
-    weights', so it is off by default; batches, training rollouts, scoring and adapters use the exact weights.
+    torchao) decodes steps of up to four rows of DSPy calls through a weight-only quantized twin of the model
+    (:mod:`flowopt.lm.quantize`): faster steps at one to four concurrent calls, outputs close to but not always
+    equal to the exact weights', so it is off by default; larger batches, training rollouts, scoring and
+    adapters use the exact weights.
 
     Through DSPy, ``n`` candidates are ``n`` engine calls of one request (DSPy's fan-out); with a fixed
     ``seed`` they are therefore identical, so leave ``seed`` unset for diverse candidates, or use

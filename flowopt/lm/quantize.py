@@ -14,8 +14,8 @@ in full for every token (the measured split: ``benchmarks/results/decode_profile
   ``torch.nn.functional.rms_norm`` with ``1 + w`` precomputed, instead of ~8 small kernels.
 
 Everything else (embedding, rotary, attention, the KV cache) is the model's own modules and tensors,
-shared, not copied. Steps of more than :data:`QUANTIZED_MAX_ROWS` rows (prefill, batches) go through the
-exact weights (the twin keeps them by reference), so only small steps change. The twin is for decoding
+shared, not copied. Steps of more than :data:`QUANTIZED_MAX_ROWS` rows (prefill, larger batches) go through
+the exact weights (the twin keeps them by reference), so only small steps change. The twin is for decoding
 only: scoring and training use the model itself, and :meth:`DecodeTwin.current` tells a caller when the
 model's weights changed under the twin (rebuild it then).
 """
@@ -30,9 +30,11 @@ from flowopt.errors import ConfigError
 
 QUANTIZE_CHOICES = ("int8", "int4")
 INT4_GROUP = 32  # columns per int4 scale: the finest group torchao's CPU packing takes (best accuracy)
-# Steps of more rows use the exact weights: an int8 output projection made 8-row steps 0.75x as fast (an
-# earlier measurement, branch cpu), and with exact batches 8 callers keep their speed (decode_quantized_cpu_idle.md).
-QUANTIZED_MAX_ROWS = 1
+# Steps of more rows use the exact weights. torch's weight-only kernels cost about one GEMV per row, while
+# oneDNN's bf16 matmul reads the weights once for the whole batch: whole decode steps of the embedded Gemma
+# (idle machine, ms) were 28 / 33 / 48 / 91 for the int4 twin at 1 / 2 / 4 / 8 rows against 64 / 69 / 68 / 91
+# exact, so the twin takes steps up to 4 rows (a bucket of 3 rows is 4) and 8-row steps stay exact.
+QUANTIZED_MAX_ROWS = 4
 
 
 def check_quantize(scheme: str | None, device: Any) -> None:
@@ -53,7 +55,8 @@ def check_quantize(scheme: str | None, device: Any) -> None:
 
 
 class QuantizedLinear(torch.nn.Module):
-    """Base of the twin's linears: a one-row step through the quantized kernel, larger ones exactly.
+    """Base of the twin's linears: a step of up to :data:`QUANTIZED_MAX_ROWS` rows through the quantized
+    kernel, larger ones exactly.
 
     ``exact`` is the source ``nn.Linear`` (held by reference: its weight is shared, not copied).
     """

@@ -181,6 +181,17 @@ def _decode_side_by_side(r: dict[str, Any]) -> None:
     assert r["greedy_agreement"]["prompts"] == 2 and 0 <= r["greedy_agreement"]["local-int8"]["identical"] <= 2
 
 
+def _quantized_task_score(r: dict[str, Any]) -> None:
+    assert list(r["settings"]) == ["exact", "int8"] and r["n"] == 2
+    assert all(len(row["scores"]) == 2 for row in r["settings"].values())
+    # The quantized setting decoded through its twin, one row a step; the exact one through the model.
+    assert r["settings"]["int8"]["decode"]["decode_path"] == "decode step on cpu: weight-only int8 twin"
+    assert r["settings"]["int8"]["decode"]["steps_by_rows"].keys() == {"1"}
+    assert r["settings"]["exact"]["decode"]["decode_path"] is None  # no twin asked for, none built
+    against = r["against_exact"]["int8"]
+    assert against["change"]["n"] == 2 and against["moved"] == against["up"] + against["down"] <= 2
+
+
 def _weights_distributed(r: dict[str, Any]) -> None:
     # Gold-label SFT on 2 processes trains the 1-process adapter.
     assert r["finetune"]["max_abs_difference"] <= 1e-5 and r["finetune"]["largest_lora_B"] > 0
@@ -231,6 +242,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "search_pruning_replay": ((), _search_pruning_replay),
     "lm_throughput": ((), _lm_throughput),
     "decode_side_by_side": ((), _decode_side_by_side),
+    "quantized_task_score": ((), _quantized_task_score),
     "hotpotqa_sft_vs_trl": (("trl",), _hotpotqa_sft_vs_trl),
     "parse_rate": ((), _parse_rate),
     "cpu_bf16_paths": ((), _cpu_bf16_paths),

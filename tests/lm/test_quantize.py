@@ -34,19 +34,22 @@ def _local(tiny, **kwargs):
 
 
 @pytest.mark.parametrize("cls_name", ["Int8Linear", "Int4Linear"])
-def test_quantized_linear_is_close_for_one_row_and_exact_for_more(cls_name):
+def test_quantized_linear_is_close_for_small_steps_and_exact_for_larger(cls_name):
     from flowopt.lm import quantize
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 64, bias=True)
     quantized = getattr(quantize, cls_name)(linear)
-    row = torch.randn(1, 1, 128)
-    want, got = linear(row), quantized(row)
-    error = ((got - want).norm() / want.norm()).item()
-    assert error < (0.01 if cls_name == "Int8Linear" else 0.1), error  # int8: ~0.4%, int4 (groups of 32): ~5%
-    assert got.shape == want.shape
-    rows = torch.randn(3, 128)
-    assert torch.equal(quantized(rows), linear(rows))  # batches go through the exact weight
+    bound = 0.01 if cls_name == "Int8Linear" else 0.1  # int8: ~0.4%, int4 (groups of 32): ~5%
+    for rows in (torch.randn(1, 1, 128), torch.randn(quantize.QUANTIZED_MAX_ROWS, 1, 128)):
+        want, got = linear(rows), quantized(rows)
+        assert got.shape == want.shape
+        assert not torch.equal(got, want)  # the quantized kernel ran
+        assert ((got - want).norm() / want.norm()).item() < bound
+        # each row as it would be alone: a step's rows do not depend on which other rows share it
+        torch.testing.assert_close(got[:1], quantized(rows[:1]), rtol=1e-5, atol=1e-5)
+    larger = torch.randn(quantize.QUANTIZED_MAX_ROWS + 1, 128)
+    assert torch.equal(quantized(larger), linear(larger))  # larger steps go through the exact weight
 
 
 def test_fused_norm_equals_gemma_norm_in_float32():
