@@ -31,9 +31,9 @@ from flowopt.errors import ConfigError
 QUANTIZE_CHOICES = ("int8", "int4")
 INT4_GROUP = 32  # columns per int4 scale: the finest group torchao's CPU packing takes (best accuracy)
 # Steps of more rows use the exact weights. torch's weight-only kernels cost about one GEMV per row, while
-# oneDNN's bf16 matmul reads the weights once for the whole batch: whole decode steps of the embedded Gemma
-# (idle machine, ms) were 28 / 33 / 48 / 91 for the int4 twin at 1 / 2 / 4 / 8 rows against 64 / 69 / 68 / 91
-# exact, so the twin takes steps up to 4 rows (a bucket of 3 rows is 4) and 8-row steps stay exact.
+# oneDNN's bf16 matmul reads the weights once for the whole batch: the twins' decode steps of the embedded
+# Gemma are faster than exact ones at 1, 2 and 4 rows and slower at 8 (benchmarks/results/decode_step_rows.md),
+# so the twin takes steps up to 4 rows (a bucket of 3 rows is 4) and 8-row steps stay exact.
 QUANTIZED_MAX_ROWS = 4
 
 

@@ -181,6 +181,16 @@ def _decode_side_by_side(r: dict[str, Any]) -> None:
     assert r["greedy_agreement"]["prompts"] == 2 and 0 <= r["greedy_agreement"]["local-int8"]["identical"] <= 2
 
 
+def _decode_step_rows(r: dict[str, Any]) -> None:
+    assert set(r["ms_per_step"]) == {"1", "2"} and len(r["rounds"]) == 1
+    assert all(ms > 0 for row in r["ms_per_step"].values() for ms in row.values())
+    # the int8 twin was built and decoded; the exact decoder built none; int4 says why it could not
+    # (the tiny model's vocabulary is not a multiple of 16)
+    paths = r["decode_paths"]
+    assert paths["exact"] is None and paths["int8"] == "decode step on cpu: weight-only int8 twin"
+    assert "exact weights, although quantize='int4' was asked" in paths["int4"]
+
+
 def _quantized_task_score(r: dict[str, Any]) -> None:
     assert list(r["settings"]) == ["exact", "int8"] and r["n"] == 2
     assert all(len(row["scores"]) == 2 for row in r["settings"].values())
@@ -243,6 +253,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], None]]] = {
     "lm_throughput": ((), _lm_throughput),
     "decode_side_by_side": ((), _decode_side_by_side),
     "quantized_task_score": ((), _quantized_task_score),
+    "decode_step_rows": ((), _decode_step_rows),
     "hotpotqa_sft_vs_trl": (("trl",), _hotpotqa_sft_vs_trl),
     "parse_rate": ((), _parse_rate),
     "cpu_bf16_paths": ((), _cpu_bf16_paths),
