@@ -54,7 +54,7 @@ def tiny_model(folder: Path) -> Path:
     """A tiny random model for the smoke size (its answers are noise; the run checks the plumbing)."""
     from flowopt.benchmarks.perf.local_lm_cuda import build_model
 
-    return Path(build_model(folder, layers=2))
+    return build_model(folder, layers=2)
 
 
 def score_setting(model: str, setting: str, args: Any, program: Any, testset: list[Any],
@@ -74,10 +74,9 @@ def score_setting(model: str, setting: str, args: Any, program: Any, testset: li
     try:
         with dspy.context(lm=lm, adapter=adapter):
             row = scorer.score(program, testset, setting)
-        stats = lm.local.decode_stats.summary() if hasattr(lm, "local") else None
+        stats = lm.local.decode_stats.summary()  # every model here is local (make_lm's LocalLM)
     finally:
-        if hasattr(lm, "local"):
-            lm.local.close()
+        lm.local.close()
     return {**row, "wall_s": time.perf_counter() - began, "decode": stats}
 
 

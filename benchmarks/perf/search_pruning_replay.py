@@ -44,6 +44,7 @@ import dspy
 
 from flowopt.benchmarks.perf.harness import PerfParser, markdown_table, setup_logging, start_run
 from flowopt.benchmarks.perf.search_tasks import DEMOS_ONLY, Task, dspy_cache_off, mean_ci, metric
+from flowopt.io import atomic_write_text
 from flowopt.optimizers.search.pruners import (
     ConfidencePruner,
     HalvingPruner,
@@ -318,11 +319,16 @@ def main(argv: list[str] | None = None) -> int:
         wanted = {(seed, shape) for seed, shape, *_ in jobs}
         lines = args.scores.read_text().splitlines()
         records = [r for r in map(json.loads, lines) if (r["seed"], r["shape"]) in wanted]
+        missing = sorted(wanted - {(r["seed"], r["shape"]) for r in records})
+        if missing:
+            parser.error(f"--scores {args.scores} lacks {len(missing)} of the {len(wanted)} seeds asked for "
+                         f"(first: {missing[0]}); pass the --first-seed/--seeds it was collected with, or a new "
+                         "file to collect")
     else:
         with ProcessPoolExecutor(max_workers=args.workers) as pool:
             records = list(pool.map(collect, jobs))
         if args.scores is not None:
-            args.scores.write_text("".join(json.dumps(r) + "\n" for r in records))
+            atomic_write_text(args.scores, "".join(json.dumps(r) + "\n" for r in records))
     summary: dict[str, Any] = {"rules": {}}
     for shape in [*SHAPES, "all"]:
         chosen = [r for r in records if shape in ("all", r["shape"])]
