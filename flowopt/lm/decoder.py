@@ -129,8 +129,9 @@ class Decoder:
         self.eos = set(eos_ids(model, tokenizer))
         self.stops = StopCheck(tokenizer)
         self.stats = stats or DecodeStats()
-        self.quantize = quantize  # a weight-only quantized twin decodes (flowopt.lm.quantize); None: exact
-        self._parts: tuple[Any, Any, Halves] | None = None  # (model, its DecodeTwin or None, the halves decoding)
+        self.quantize = quantize  # a quantized twin decodes (flowopt.lm.quantize); None: exact
+        # (model, its DecodeTwin or None, its own halves, the halves decoding)
+        self._parts: tuple[Any, Any, Halves, Halves] | None = None
         self._compiled: Any = None
         self._shapes: set[tuple[int, int]] = set()
         self._graph_threads: set[int] = set()  # threads given their CUDA-graph tree state
@@ -139,17 +140,17 @@ class Decoder:
     def device(self) -> torch.device:
         return self.cache.device
 
-    def parts(self) -> Halves:
-        """The model's halves as the decode step uses them: its own, or its quantized twin's when asked."""
+    def parts(self, *, exact: bool = False) -> Halves:
+        """The model's halves as the decode step uses them: its own, or its quantized twin's when asked
+        (``exact=True``: the model's own either way, as prefill uses them)."""
         model = self._get_model()
         cached = self._parts
-        if cached is not None and cached[0] is model and (cached[1] is None or cached[1].current()):
-            return cached[2]
-        exact = halves(model)
-        twin = None if self.quantize is None else self._twin(exact)
-        decoding = exact if twin is None else dataclasses.replace(exact, decoder=twin.decoder, head=twin.head)
-        self._parts = (model, twin, decoding)
-        return decoding
+        if not (cached is not None and cached[0] is model and (cached[1] is None or cached[1].current())):
+            own = halves(model)
+            twin = None if self.quantize is None else self._twin(own)
+            decoding = own if twin is None else dataclasses.replace(own, decoder=twin.decoder, head=twin.head)
+            cached = self._parts = (model, twin, own, decoding)
+        return cached[2] if exact else cached[3]
 
     def _twin(self, exact: Halves) -> Any:
         """The quantized twin of ``exact`` (None when it cannot have one: the reason is logged once)."""
@@ -157,7 +158,7 @@ class Decoder:
 
         assert self.quantize is not None
         reason = quantizable(exact.decoder, exact.head, self.quantize)
-        path = (f"decode step on {self.device.type}: weight-only {self.quantize} twin" if reason is None else
+        path = (f"decode step on {self.device.type}: quantized {self.quantize} twin" if reason is None else
                 f"decode step on {self.device.type}: exact weights, although quantize={self.quantize!r} was "
                 f"asked ({reason})")
         self.stats.decode_path = path
@@ -207,7 +208,9 @@ class Decoder:
             view = cache.view(n, n + len(rows))
             cache.set_column(view, run.t - width)
             starts = torch.tensor([r.start for r in rows], device=self.device)
-            logits = _forward(self.parts(), view, ids, positions, cache.masks(starts, run.t - width, width))
+            # Prefill with the exact weights: the prompt's keys and values are the model's own, whatever decodes.
+            logits = _forward(self.parts(exact=True), view, ids, positions,
+                              cache.masks(starts, run.t - width, width))
             run.rows.extend(rows)
             self._accept(run, rows, logits)
         return True

@@ -1,4 +1,4 @@
-"""An opt-in, decode-only twin of a model with weight-only quantized linears (CPU).
+"""An opt-in, decode-only twin of a model with quantized linears (CPU).
 
 A batch-1 decode step on a CPU reads every weight once per token, so its time is bounded below by the bytes
 it reads: in bf16 the embedded Gemma 3 270M reads its 262k x 640 output projection and its 126 body linears
@@ -6,18 +6,25 @@ in full for every token (the measured split: ``benchmarks/results/decode_profile
 :func:`decode_twin` builds a copy of the decoder and the output projection in which
 
 - every ``nn.Linear`` of the body is int8 per output row (symmetric; torchao's ``Int8Tensor`` picks the
-  scales), multiplied by torch's own weight-only int8 kernel ``aten._weight_int8pack_mm``;
-- the output projection is int8 the same way (``"int8"``) or int4 in groups of 32 columns (``"int4"``;
-  torchao's ``Int4OpaqueTensor`` quantizes and packs it for ``aten._weight_int4pack_mm_for_cpu``). It is a
-  copy: the input embedding it is tied to stays exact;
+  scales);
+- the output projection is int8 the same way (``"int8"``), or int4 in groups of 32 columns (``"int4"``;
+  torchao's ``Int4OpaqueTensor`` quantizes and packs it for ``aten._weight_int4pack_mm_for_cpu``) with an
+  int8 copy for larger steps. It is a copy: the input embedding it is tied to stays exact;
 - every Gemma-style RMSNorm (``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in float32) is one fused
   ``torch.nn.functional.rms_norm`` with ``1 + w`` precomputed, instead of ~8 small kernels.
 
+How a step multiplies depends on its rows (``benchmarks/results/decode_step_rows.md`` measures why):
+
+- up to :data:`QUANTIZED_MAX_ROWS` rows: weight-only kernels (``aten._weight_int8pack_mm``, or the int4 one
+  for an int4 projection), which read the fewest bytes but cost about one GEMV per row;
+- up to :data:`DYNAMIC_MAX_ROWS` rows: int8 activations, quantized per row at each step, times the int8
+  weights (``torch._int_mm``, int32 sums), which reads the weights once for all rows. A row's result does not
+  depend on the other rows of its step (per-row scales, exact integer sums);
+- more rows: the exact weights (the twin keeps them by reference). Prefill always uses the exact weights.
+
 Everything else (embedding, rotary, attention, the KV cache) is the model's own modules and tensors,
-shared, not copied. Steps of more than :data:`QUANTIZED_MAX_ROWS` rows (prefill, larger batches) go through
-the exact weights (the twin keeps them by reference), so only small steps change. The twin is for decoding
-only: scoring and training use the model itself, and :meth:`DecodeTwin.current` tells a caller when the
-model's weights changed under the twin (rebuild it then).
+shared, not copied. The twin is for decoding only: scoring and training use the model itself, and
+:meth:`DecodeTwin.current` tells a caller when the model's weights changed under the twin (rebuild it then).
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ from flowopt.errors import ConfigError
 
 QUANTIZE_CHOICES = ("int8", "int4")
 INT4_GROUP = 32  # columns per int4 scale: the finest group torchao's CPU packing takes (best accuracy)
-# Steps of more rows use the exact weights. torch's weight-only kernels cost about one GEMV per row, while
-# oneDNN's bf16 matmul reads the weights once for the whole batch: the twins' decode steps of the embedded
-# Gemma are faster than exact ones at 1, 2 and 4 rows and slower at 8 (benchmarks/results/decode_step_rows.md),
-# so the twin takes steps up to 4 rows (a bucket of 3 rows is 4) and 8-row steps stay exact.
+# torch's weight-only kernels cost about one GEMV per row, while an int8 x int8 matmul reads the weights once
+# for the whole step: on the embedded Gemma the weight-only steps are the fastest at 1, 2 and 4 rows and the
+# dynamic int8 ones from 8 rows (benchmarks/results/decode_step_rows.md; a bucket of 3 rows is 4).
 QUANTIZED_MAX_ROWS = 4
+# Past this, oneDNN's bf16 matmul catches up with torch._int_mm (the output projection: equal at 32 rows), and
+# the per-row quantizing is pure cost; larger steps (and every prefill) use the exact weights.
+DYNAMIC_MAX_ROWS = 16
 
 
 def check_quantize(scheme: str | None, device: Any) -> None:
@@ -54,23 +63,64 @@ def check_quantize(scheme: str | None, device: Any) -> None:
                           fix="pip install 'torchao>=0.18'") from exc
 
 
+def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` (out x in) as int8 with one float32 scale per output row (symmetric; torchao's ``Int8Tensor``
+    picks the scales).
+
+    Example:
+        >>> qdata, scales = int8_per_row(torch.ones(3, 64))
+        >>> qdata.dtype, scales.shape
+        (torch.int8, torch.Size([3]))
+    """
+    from torchao.quantization import PerRow
+    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+
+    with torch.no_grad():
+        quantized = Int8Tensor.from_hp(weight.detach(), PerRow())
+    return quantized.qdata.contiguous(), quantized.scale.reshape(-1).float()
+
+
+def dynamic_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` (rows x in) times the int8 ``weight`` (:func:`int8_per_row`), with ``x`` quantized to int8 per row
+    (symmetric, absmax): ``torch._int_mm`` sums in int32, so each row's result depends on that row alone.
+
+    torchao's ``Int8Tensor`` with ``act_quant_kwargs`` computes the same product, but its eager dispatch made
+    an 8-row decode step of the embedded Gemma 40-80 ms slower than these few kernels.
+
+    Example:
+        >>> weight, scales = int8_per_row(torch.eye(64))
+        >>> dynamic_int8_linear(torch.ones(2, 64), weight, scales)[0, :3]
+        tensor([1., 1., 1.])
+    """
+    wide = x.float()
+    row_scales = wide.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
+    quantized = torch.round(wide / row_scales).clamp(-127, 127).to(torch.int8)
+    return (torch._int_mm(quantized, weight.t()).float() * row_scales * scales).to(x.dtype)
+
+
 class QuantizedLinear(torch.nn.Module):
-    """Base of the twin's linears: a step of up to :data:`QUANTIZED_MAX_ROWS` rows through the quantized
-    kernel, larger ones exactly.
+    """Base of the twin's linears: a step of up to :data:`QUANTIZED_MAX_ROWS` rows through the weight-only
+    kernel (:meth:`multiply`), up to :data:`DYNAMIC_MAX_ROWS` rows through :func:`dynamic_int8_linear` with
+    ``int8`` (the weight as :func:`int8_per_row` gives it), larger ones exactly.
 
     ``exact`` is the source ``nn.Linear`` (held by reference: its weight is shared, not copied).
     """
 
-    def __init__(self, exact: torch.nn.Linear) -> None:
+    def __init__(self, exact: torch.nn.Linear, int8: tuple[torch.Tensor, torch.Tensor]) -> None:
         super().__init__()
         self.exact = exact
         self.out_features = int(exact.weight.shape[0])
+        self.int8_weight, self.int8_scales = int8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > QUANTIZED_MAX_ROWS:
+        rows = flat.shape[0]
+        if rows > DYNAMIC_MAX_ROWS:
             return torch.nn.functional.linear(x, self.exact.weight, self.exact.bias)
-        out = self.multiply(flat.contiguous())
+        if rows > QUANTIZED_MAX_ROWS:
+            out = dynamic_int8_linear(flat, self.int8_weight, self.int8_scales)
+        else:
+            out = self.multiply(flat.contiguous())
         if self.exact.bias is not None:
             out = out + self.exact.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -85,7 +135,8 @@ class QuantizedLinear(torch.nn.Module):
 
 
 class Int8Linear(QuantizedLinear):
-    """Weight-only int8, one scale per output row (torchao's ``Int8Tensor`` picks them).
+    """Int8, one scale per output row (:func:`int8_per_row`): small steps weight-only
+    (``aten._weight_int8pack_mm``), larger ones with int8 activations too (the same int8 weight).
 
     Example:
         >>> Int8Linear(torch.nn.Linear(64, 5, bias=False))(torch.ones(1, 64)).shape
@@ -93,22 +144,17 @@ class Int8Linear(QuantizedLinear):
     """
 
     def __init__(self, exact: torch.nn.Linear) -> None:
-        from torchao.quantization import PerRow
-        from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
-
-        super().__init__(exact)
-        with torch.no_grad():
-            quantized = Int8Tensor.from_hp(exact.weight.detach(), PerRow())
-        self.qdata = quantized.qdata.contiguous()
-        self.scales = quantized.scale.reshape(-1).to(exact.weight.dtype)
+        super().__init__(exact, int8_per_row(exact.weight))
+        self.kernel_scales = self.int8_scales.to(exact.weight.dtype)  # the weight-only kernel's scale dtype
 
     def multiply(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(flat.to(self.scales.dtype), self.qdata, self.scales)
+        return torch.ops.aten._weight_int8pack_mm(flat.to(self.kernel_scales.dtype), self.int8_weight,
+                                                  self.kernel_scales)
 
 
 class Int4Linear(QuantizedLinear):
     """Weight-only int4 (asymmetric, groups of :data:`INT4_GROUP` columns), packed for torch's CPU kernel
-    by torchao's ``Int4OpaqueTensor``.
+    by torchao's ``Int4OpaqueTensor``, for small steps; larger ones use an int8 copy (:func:`int8_per_row`).
 
     Example:
         >>> Int4Linear(torch.nn.Linear(64, 5, bias=False).bfloat16())(torch.ones(1, 64).bfloat16()).shape
@@ -118,7 +164,7 @@ class Int4Linear(QuantizedLinear):
     def __init__(self, exact: torch.nn.Linear) -> None:
         from torchao.prototype.quantization.int4 import Int4OpaqueTensor
 
-        super().__init__(exact)
+        super().__init__(exact, int8_per_row(exact.weight))
         with torch.no_grad():
             packed = Int4OpaqueTensor.from_hp(exact.weight.detach(), [1, INT4_GROUP])
         self.qdata, self.scale_and_zero = packed.qdata, packed.scale_and_zero

@@ -177,7 +177,7 @@ def _decode_side_by_side(r: dict[str, Any]) -> None:
     assert all(t["local"] == t["generate"] for t in r["tokens"].values())
     assert r["local_decode_stats"]["steps"] > 0
     # The quantized twin decoded (its one-row steps), and its greedy tokens were compared with local's.
-    assert r["local-int8_decode_stats"]["decode_path"] == "decode step on cpu: weight-only int8 twin"
+    assert r["local-int8_decode_stats"]["decode_path"] == "decode step on cpu: quantized int8 twin"
     assert r["greedy_agreement"]["prompts"] == 2 and 0 <= r["greedy_agreement"]["local-int8"]["identical"] <= 2
 
 
@@ -187,7 +187,7 @@ def _decode_step_rows(r: dict[str, Any]) -> None:
     # the int8 twin was built and decoded; the exact decoder built none; int4 says why it could not
     # (the tiny model's vocabulary is not a multiple of 16)
     paths = r["decode_paths"]
-    assert paths["exact"] is None and paths["int8"] == "decode step on cpu: weight-only int8 twin"
+    assert paths["exact"] is None and paths["int8"] == "decode step on cpu: quantized int8 twin"
     assert "exact weights, although quantize='int4' was asked" in paths["int4"]
 
 
@@ -195,7 +195,7 @@ def _quantized_task_score(r: dict[str, Any]) -> None:
     assert list(r["settings"]) == ["exact", "int8"] and r["n"] == 2
     assert all(len(row["scores"]) == 2 for row in r["settings"].values())
     # The quantized setting decoded through its twin, one row a step; the exact one through the model.
-    assert r["settings"]["int8"]["decode"]["decode_path"] == "decode step on cpu: weight-only int8 twin"
+    assert r["settings"]["int8"]["decode"]["decode_path"] == "decode step on cpu: quantized int8 twin"
     assert r["settings"]["int8"]["decode"]["steps_by_rows"].keys() == {"1"}
     assert r["settings"]["exact"]["decode"]["decode_path"] is None  # no twin asked for, none built
     against = r["against_exact"]["int8"]
