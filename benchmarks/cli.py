@@ -54,10 +54,11 @@ def bench_parser(sub: argparse._SubParsersAction | None = None) -> argparse.Argu
                         help="local models: compile the decode step with torch.compile (auto: on CUDA only, where "
                              "CUDA graphs pay; each batch-size bucket compiles once, seconds each)")
     parser.add_argument("--lm-quantize", choices=("int8", "int4"), default=None,
-                        help="local models on CPU: decode steps of up to 4 rows through weight-only int8 linears and "
-                             "an int8 or int4 output projection (faster decoding for 1-4 concurrent calls; greedy "
-                             "outputs can change, so off by default; larger batches, training and scoring keep the "
-                             "exact weights: benchmarks/results/decode_quantized_steps_cpu.md)")
+                        help="local models on CPU: decode steps of up to 16 rows through int8 linears and an int8 or "
+                             "int4 output projection (weight-only up to 4 rows, int8 activations up to 16: faster "
+                             "decoding for 1-16 concurrent calls; greedy outputs can change, so off by default; "
+                             "prefill, larger batches, training and scoring keep the exact weights: "
+                             "benchmarks/results/decode_quantized_steps_cpu.md)")
     parser.add_argument("--max-lm-calls", type=int, default=None, help="compile budget: LM calls")
     parser.add_argument("--max-cost-usd", type=float, default=None, help="compile budget: dollars")
     parser.add_argument("--max-wall-s", type=float, default=None, help="compile budget: wall time")

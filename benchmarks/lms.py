@@ -20,7 +20,7 @@ def make_lm(model: str, *, api_base: str | None = None, max_tokens: int = 256, b
             compile: bool | None = None, quantize: str | None = None) -> tuple[Any, Any]:
     """The LM and adapter for ``--lm``: local models (embedded name or folder) get the completion adapter
     and generate up to ``batch`` concurrent calls as one batch; ``compile`` compiles their decode step
-    (None: on CUDA only); ``quantize`` decodes steps of up to 4 rows through a weight-only quantized twin (CPU)."""
+    (None: on CUDA only); ``quantize`` decodes steps of up to 16 rows through a quantized twin (CPU)."""
     if model.startswith("local/") or model == "gemma-3-270m" or Path(model).is_dir():
         from flowopt.lm import LocalLM, adapter_for
 

@@ -10,8 +10,8 @@ token limit, on the same weights in one process, and stops at EOS. ``C`` concurr
 
 - ``local`` / ``local-compiled``: C threads each calling ``LocalLM.complete_ids`` (continuous batching;
   the second with the decode step compiled, ``compile=True``: CUDA graphs on CUDA), on one shared model;
-- ``local-int8`` / ``local-int4``: ``local`` with ``quantize="int8"`` / ``"int4"`` (CPU: steps of up to 4
-  rows through a weight-only quantized twin, :mod:`flowopt.lm.quantize`), on the same model; ``--agreement``
+- ``local-int8`` / ``local-int4``: ``local`` with ``quantize="int8"`` / ``"int4"`` (CPU: steps of up to 16
+  rows through a quantized twin, :mod:`flowopt.lm.quantize`), on the same model; ``--agreement``
   also counts how many of the prompts each decodes greedily to exactly the tokens ``local`` decodes;
 - ``local-int8-compiled`` / ``local-int4-compiled``: the same twins with the decode step compiled too;
 - ``generate``: one ``model.generate`` call on the C prompts, left-padded (its default dynamic cache);

@@ -1,15 +1,16 @@
 """Task scores with the quantized decode twin against the exact weights, paired on the same test questions.
 
 Run: python -m flowopt.benchmarks.perf.quantized_task_score [--protocol hotpotqa-aflow] [--program workflow]
-     [--adapter DIR] [--test 100] [--max-tokens 8] [--settings int8,int4,int4-compiled]
+     [--adapter DIR] [--test 100] [--max-tokens 8] [--settings int8,int4,int4-compiled] [--threads 1]
 Writes benchmarks/results/quantized_task_score.{json,md} (``--out STEM``).
 
 ``LocalLM(quantize=...)`` (:mod:`flowopt.lm.quantize`) changes greedy tokens; this script asks what that costs
 on a benchmark. One process scores the same program on the same report-split questions with the same model,
 first with the exact weights, then with each quantized twin (``-compiled``: its decode step compiled too, as
-``LocalLM(quantize=..., compile=True)``; inductor rounds differently), one call at a time (``--threads 1``: batch-1
-decoding is what the twin serves; larger steps use the exact weights anyway). Each setting gets its own
-``LocalLM`` and DSPy's cache is off, so every answer is decoded here. Scores are paired per question against
+``LocalLM(quantize=..., compile=True)``; inductor rounds differently), ``--threads`` calls at a time (1: every
+decode step has one row, the twin's weight-only kernels; 8: most steps have 5-8 rows, its int8 activations; the
+decode counters in the JSON give the steps by rows). Each setting gets its own ``LocalLM`` and DSPy's cache is
+off, so every answer is decoded here. Scores are paired per question against
 the exact weights (mean change, 95% interval) and the questions whose score moved are counted.
 
 ``--adapter`` (a finetune stage's ``adapter`` folder, e.g. from the README's main command) is merged into the
@@ -67,9 +68,9 @@ def score_setting(model: str, setting: str, args: Any, program: Any, testset: li
     from flowopt.benchmarks.scoring import TestScorer
 
     scheme = None if setting == "exact" else setting.removesuffix("-compiled")
-    lm, adapter = make_lm(model, max_tokens=args.max_tokens, batch=1, compile=setting.endswith("-compiled"),
-                          quantize=scheme)
-    scorer = TestScorer(proto, folder / setting, num_threads=1, quiet=True, resume=False, seed=0)
+    lm, adapter = make_lm(model, max_tokens=args.max_tokens, batch=args.threads,
+                          compile=setting.endswith("-compiled"), quantize=scheme)
+    scorer = TestScorer(proto, folder / setting, num_threads=args.threads, quiet=True, resume=False, seed=0)
     began = time.perf_counter()
     try:
         with dspy.context(lm=lm, adapter=adapter):
@@ -89,6 +90,8 @@ def compare(exact: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
 
 
 def page(results: dict[str, Any]) -> list[str]:
+    threads = results["threads"]
+    calls = "one call at a time" if threads == 1 else f"{threads} calls at a time"
     rows = []
     for name, row in results["settings"].items():
         vs = results["against_exact"].get(name)
@@ -98,7 +101,7 @@ def page(results: dict[str, Any]) -> list[str]:
         rows.append([name, f"{row['score']:.3f} [{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]", change, moved,
                      f"{row['errors']}", f"{row['wall_s']:.0f}"])
     return [f"Model: {results['model']}; program `{results['program']}` on {results['protocol']} "
-            f"({results['n']} report-split questions, {results['metric']}); one call at a time, greedy, "
+            f"({results['n']} report-split questions, {results['metric']}); {calls}, greedy, "
             f"at most {results['max_tokens']} new tokens, DSPy's cache off.", "",
             *markdown_table(["decode weights", "score [95% CI]", "change vs exact (paired) [95% CI]",
                              "questions whose score moved", "failed", "wall s"], rows)]
@@ -115,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapter", type=Path, default=None, help="a finetuned LoRA adapter folder to merge first")
     parser.add_argument("--test", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="concurrent calls (decode rows per step)")
     parser.add_argument("--settings", default="int8,int4,int4-compiled",
                         help=f"comma-separated, each one of {', '.join(SETTINGS)}; the exact weights always run first")
     run = start_run(parser, argv)
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             settings[setting] = score_setting(model, setting, args, program, testset, proto, folder)
     exact = settings["exact"]
     results = {"model": label, "protocol": proto.name, "program": args.program, "metric": proto.metric,
-               "n": len(testset), "max_tokens": args.max_tokens, "settings": settings,
+               "n": len(testset), "max_tokens": args.max_tokens, "threads": args.threads, "settings": settings,
                "against_exact": {k: compare(exact, v) for k, v in settings.items() if k != "exact"}}
     run.finish("Task scores with the quantized decode twin against the exact weights", results, page(results))
     return 0

@@ -73,10 +73,11 @@ class LocalLM(PromptRendering, AdapterSet, DecodeCapacity):
     the decode step with ``torch.compile`` once per batch bucket (None: on CUDA, where CUDA graphs pay,
     not on CPU, where compiling one bucket took longer than an evaluation); ``local.decode_stats.summary()``
     reports rows per step over time and compile seconds. ``quantize="int8"`` or ``"int4"`` (CPU, needs
-    torchao) decodes steps of up to four rows of DSPy calls through a weight-only quantized twin of the model
-    (:mod:`flowopt.lm.quantize`): faster steps at one to four concurrent calls, outputs close to but not always
-    equal to the exact weights', so it is off by default; larger batches, training rollouts, scoring and
-    adapters use the exact weights.
+    torchao) decodes steps of up to 16 rows of DSPy calls through a quantized twin of the model
+    (:mod:`flowopt.lm.quantize`: weight-only kernels up to four rows, int8 activations times int8 weights up to
+    16): faster steps at one to 16 concurrent calls, outputs close to but not always equal to the exact
+    weights', so it is off by default; prefill, larger batches, training rollouts, scoring and adapters use the
+    exact weights.
 
     Through DSPy, ``n`` candidates are ``n`` engine calls of one request (DSPy's fan-out); with a fixed
     ``seed`` they are therefore identical, so leave ``seed`` unset for diverse candidates, or use
