@@ -254,3 +254,37 @@ def test_bench_lm_quantize_reaches_the_local_model(tiny_model_dir):
         assert local is not None and local.quantize == "int8"
     finally:
         local.close()
+
+
+def test_the_compiled_twin_traces_both_quantized_kernels_and_gives_the_eager_tokens(tiny, monkeypatch):
+    """dynamo and AOT autograd trace the weight-only kernel (1 row) and ``torch._int_mm`` (8 rows) (``aot_eager``:
+    no inductor, so the test stays fast); greedy tokens and log-probs equal the eager twin's."""
+    from flowopt.lm import decoder as decoder_module
+    from flowopt.lm.decode import Row
+    from flowopt.lm.decoder import CompileSettings, Decoder, DecodeRun
+    from flowopt.lm.sampling import RowSettings
+
+    monkeypatch.setattr(decoder_module, "_compile_failure", [])
+    model, tokenizer = tiny
+
+    def decode(decoder, prompts):
+        decoder.eos = set()
+        rows = [Row(tokenizer(p)["input_ids"], RowSettings(max_new_tokens=4, logprobs=True)) for p in prompts]
+        run = DecodeRun()
+        decoder.admit(run, rows)
+        while run.rows:
+            decoder.step(run)
+            decoder.harvest(run)
+        return [(r.tokens, r.logps) for r in rows]
+
+    eager = Decoder(lambda: model, tokenizer, quantize="int8")
+    compiled = Decoder(lambda: model, tokenizer, quantize="int8",
+                       compile=CompileSettings(enabled=True, backend="aot_eager"))
+    for prompts in (PROMPTS[:1], PROMPTS):
+        got, want = decode(compiled, prompts), decode(eager, prompts)
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+        # AOT autograd may decompose the fused norm: log-probs equal up to float32 rounding
+        torch.testing.assert_close(torch.tensor([lp for _, lp in got]), torch.tensor([lp for _, lp in want]),
+                                   rtol=0, atol=1e-4)
+    assert compiled.stats.eager_reason is None
+    assert {"batch 1, cache 256", "batch 8, cache 256"} <= set(compiled.stats.compile_seconds)
