@@ -346,7 +346,8 @@ def _add_model_routes(app: FastAPI, served: ServedModel) -> None:
     def health() -> dict[str, Any]:
         local = served.local
         return {"status": "ok", "model": served.name, "adapter": local.active_adapter, "device": str(local.device),
-                "loras": sorted(served.loras.loaded)}
+                "loras": sorted(served.loras.loaded), "quantize": local.quantize,
+                "decode_path": local.decode_stats.summary()["decode_path"]}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -362,6 +363,12 @@ def _parser() -> argparse.ArgumentParser:
                         "with native bf16, else float32)")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="default completion limit")
     parser.add_argument("--max-batch-size", type=int, default=16, help="largest dynamic batch")
+    parser.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                        help="CPU: decode steps of up to 16 rows (concurrent requests) through a quantized twin "
+                             "of the model (flowopt.lm.quantize; faster, greedy outputs can change; off by default)")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="compile the decode step with torch.compile once per batch bucket (auto: on CUDA "
+                             "only; on CPU each bucket and cache length compiles for about a minute first)")
     parser.add_argument("--enable-lora", action="store_true",
                         help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's); "
                              "needs --lora-root")
@@ -402,7 +409,9 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         local = LocalLM(options.model, adapter=options.adapter, device=options.device, dtype=options.dtype,
-                        max_new_tokens=options.max_new_tokens, max_batch_size=options.max_batch_size)
+                        max_new_tokens=options.max_new_tokens, max_batch_size=options.max_batch_size,
+                        compile={"auto": None, "on": True, "off": False}[options.compile],
+                        quantize=options.quantize)
     except FlowoptError as exc:
         logger.error("%s", exc)
         return 2

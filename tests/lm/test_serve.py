@@ -104,6 +104,48 @@ def test_serve_with_adapter_answers_with_the_adapted_weights(tiny_model_dir, tmp
         assert remote(messages=MESSAGES) == [expected]
 
 
+def test_serve_quantize_decodes_concurrent_requests_through_the_twin(tiny_model_dir, tmp_path):
+    """``flowopt serve MODEL --quantize int8``: eight concurrent requests decode through the quantized twin (steps
+    of 5-8 rows: int8 activations), whose answers stay close to the exact weights' (the twin's closeness itself
+    is checked in-process, tests/lm/test_quantize.py; here, that the server decodes through it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flowopt.lm import LocalLM
+
+    prompts = [f"Question: {word}?" for word in ("hello there", "two plus two", "a stitch", "brown fox",
+                                                  "numbers", "time", "helpful", "fields")]
+    messages = [[{"role": "user", "content": p}] for p in prompts]
+    exact = LocalLM(tiny_model_dir, device="cpu", dtype="float32", max_new_tokens=8, batch_wait_ms=1)
+    try:
+        want = [exact.generate([m], temperature=0.0, max_new_tokens=8, logprobs=False)[0].text for m in messages]
+    finally:
+        exact.close()
+    with _serving(tiny_model_dir, tmp_path / "server.log", "--quantize", "int8", "--name", "q") as base:
+        health = _get(base.removesuffix("/v1") + "/health")
+        assert health["quantize"] == "int8" and health["decode_path"] is None  # nothing decoded yet
+        remote = dspy.LM("openai/q", api_base=base, api_key="x", engine="litellm", temperature=0.0,
+                         max_tokens=8, cache=False, num_retries=0)
+        with ThreadPoolExecutor(len(messages)) as pool:
+            served = [out[0] for out in pool.map(lambda m: remote(messages=m), messages)]
+        health = _get(base.removesuffix("/v1") + "/health")
+    assert health["decode_path"] == "decode step on cpu: quantized int8 twin"
+    same = sum(a == b for a, b in zip(served, want))
+    assert all(served) and same >= 6, (served, want)  # measured 7 of 8: one near tie picks differently
+
+
+def test_serve_parses_quantize_and_compile_and_refuses_unknown_values(capsys):
+    from flowopt.lm.serve import _parser
+
+    options = _parser().parse_args(["m", "--quantize", "int4", "--compile", "on"])
+    assert (options.quantize, options.compile) == ("int4", "on")
+    options = _parser().parse_args(["m"])
+    assert (options.quantize, options.compile) == (None, "auto")
+    for bad in (["--quantize", "int3"], ["--compile", "yes"]):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["m", *bad])
+        assert "invalid choice" in capsys.readouterr().err
+
+
 # --- bad request bodies, through the real app in-process (no generation is reached) -----------------
 
 DEEP = "[" * 100_000 + "]" * 100_000
