@@ -85,7 +85,7 @@ def dynamic_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Ten
     (symmetric, absmax): ``torch._int_mm`` sums in int32, so each row's result depends on that row alone.
 
     torchao's ``Int8Tensor`` with ``act_quant_kwargs`` computes the same product, but its eager dispatch made
-    an 8-row decode step of the embedded Gemma 40-80 ms slower than these few kernels.
+    decode steps slower than these few kernels do (``benchmarks/results/decode_step_rows.md``, its notes).
 
     Example:
         >>> weight, scales = int8_per_row(torch.eye(64))
