@@ -20,13 +20,13 @@ contract when it
 
 Example:
     >>> import dataclasses
-    >>> from typing import ClassVar
+    >>> import typing
     >>> from flowopt.compiler import Stage
     >>> from flowopt.settings import at_least, check_stage
     >>> from flowopt.testing import check_settings_are_json, check_settings_are_validated
     >>> @dataclasses.dataclass(frozen=True)
     ... class Noop(Stage):
-    ...     name: ClassVar[str] = "noop-contract"
+    ...     name: typing.ClassVar[str] = "noop-contract"
     ...     rounds: int = 1
     ...     def __post_init__(self):
     ...         check_stage(self, {"rounds": at_least(1)})
