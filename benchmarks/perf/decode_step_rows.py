@@ -26,7 +26,7 @@ from flowopt.benchmarks.perf.lm_workload import gsm8k_prompts
 
 logger = logging.getLogger(__name__)
 SMOKE = {"model": "tiny", "rows": "1,2", "steps": 1, "rounds": 1}
-# column: (decoder, (QUANTIZED_MAX_ROWS, DYNAMIC_MAX_ROWS) forced for it; None: the exact weights)
+# column: (its decoder, which twin kernel the run forces on at every row count; None: the exact weights)
 KERNELS = {"exact": ("exact", None), "int8 weight-only": ("int8", "weight-only"),
            "int4 weight-only": ("int4", "weight-only"), "int8 activations": ("int8", "activations")}
 

@@ -347,7 +347,7 @@ def _add_model_routes(app: FastAPI, served: ServedModel) -> None:
         local = served.local
         return {"status": "ok", "model": served.name, "adapter": local.active_adapter, "device": str(local.device),
                 "loras": sorted(served.loras.loaded), "quantize": local.quantize,
-                "decode_path": local.decode_stats.summary()["decode_path"]}
+                "decode_path": local.decode_stats.decode_path}
 
 
 def _parser() -> argparse.ArgumentParser:
