@@ -154,10 +154,11 @@ def _truncate(logprobs: torch.Tensor, row: RowSettings) -> torch.Tensor:
     return logprobs
 
 
-def choose(rows: Sequence[Row], logits: torch.Tensor,
-           uniforms: torch.Tensor | None) -> tuple[list[int], list[float] | None]:
+def choose(rows: Sequence[Row], logits: torch.Tensor, uniforms: torch.Tensor | None,
+           greedy: torch.Tensor | None = None) -> tuple[list[int], list[float] | None]:
     """Each row's next token from ``logits`` (float32 ``[rows, vocab]``), and its log-prob when any row
-    asks for them; ``uniforms`` (one per row of a seeded round, indexed by ``Row.index``) or None."""
+    asks for them; ``uniforms`` (one per row of a seeded round, indexed by ``Row.index``) or None;
+    ``greedy``: ``logits.argmax(-1)`` when the caller has it (a compiled step computes it in its graph)."""
     import torch
 
     settings = [r.settings for r in rows]
@@ -172,7 +173,7 @@ def choose(rows: Sequence[Row], logits: torch.Tensor,
         else:
             scores = scores / torch.tensor(temps, device=logits.device, dtype=logits.dtype).unsqueeze(1)
     logprobs = torch.log_softmax(scores, dim=-1) if any_sampled or want else None
-    picked = scores.argmax(dim=-1)
+    picked = greedy if greedy is not None and not any_sampled else scores.argmax(dim=-1)  # scores is logits then
     if any_sampled:
         assert logprobs is not None
         draw_from = logprobs

@@ -83,10 +83,16 @@ class CompileSettings:
     dynamic: bool = False
 
 
-def _forward(parts: Halves, cache: Any, ids: torch.Tensor, positions: torch.Tensor, mask: Any) -> torch.Tensor:
-    """float32 logits of the last column: the step that is compiled."""
+def _forward(parts: Halves, cache: Any, ids: torch.Tensor, positions: torch.Tensor,
+             mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 logits of the last column and their argmax (the greedy tokens): the step that is compiled.
+
+    The argmax is taken here so that a compiled step fuses it with the logits' last kernel instead of reading
+    the ``rows x vocabulary`` logits once more, eagerly, outside the graph.
+    """
     hidden, _ = parts.hidden(ids, mask, positions, cache=cache, use_cache=True)
-    return parts.logits(hidden[:, -1, :])
+    logits = parts.logits(hidden[:, -1, :])
+    return logits, logits.argmax(dim=-1)
 
 
 class DecodeRun:
@@ -209,10 +215,10 @@ class Decoder:
             cache.set_column(view, run.t - width)
             starts = torch.tensor([r.start for r in rows], device=self.device)
             # Prefill with the exact weights: the prompt's keys and values are the model's own, whatever decodes.
-            logits = _forward(self.parts(exact=True), view, ids, positions,
-                              cache.masks(starts, run.t - width, width))
+            logits, greedy = _forward(self.parts(exact=True), view, ids, positions,
+                                      cache.masks(starts, run.t - width, width))
             run.rows.extend(rows)
-            self._accept(run, rows, logits)
+            self._accept(run, rows, logits, greedy)
         return True
 
     def _shift(self, run: DecodeRun, by: int) -> None:
@@ -240,19 +246,19 @@ class Decoder:
             starts = torch.tensor([r.start for r in rows] + [run.t] * spare, device=device)
             view = cache.view(0, bucket)
             cache.set_column(view, run.t)
-            logits = self._decode(view, ids, positions, cache.masks(starts, run.t, 1))[:n]
+            logits, greedy = self._decode(view, ids, positions, cache.masks(starts, run.t, 1))
             run.t += 1
-            self._accept(run, rows, logits)
+            self._accept(run, rows, logits[:n], greedy[:n])
         self.stats.record_step(n)
 
-    def _accept(self, run: DecodeRun, rows: Sequence[Row], logits: torch.Tensor) -> None:
+    def _accept(self, run: DecodeRun, rows: Sequence[Row], logits: torch.Tensor, greedy: torch.Tensor) -> None:
         import torch
 
         uniforms = None
         if run.generator is not None:
             uniforms = torch.rand(run.round_size, generator=run.generator, device=self.device)
         run.steps += 1
-        tokens, logps = choose(rows, logits, uniforms)
+        tokens, logps = choose(rows, logits, uniforms, greedy)
         for j, row in enumerate(rows):
             row.accept(tokens[j], None if logps is None else logps[j], self.eos, self.stops)
 
@@ -269,7 +275,8 @@ class Decoder:
 
     # -- compiling ---------------------------------------------------------------------------------
 
-    def _decode(self, view: Any, ids: torch.Tensor, positions: torch.Tensor, mask: Any) -> torch.Tensor:
+    def _decode(self, view: Any, ids: torch.Tensor, positions: torch.Tensor,
+                mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
         parts = self.parts()
         if not self.settings.enabled or _compile_failure:
             return _forward(parts, view, ids, positions, mask)
@@ -280,7 +287,7 @@ class Decoder:
             if self.device.type == "cuda" and threading.get_ident() not in self._graph_threads:
                 cuda_graph_thread_state()  # once per thread, not on every step
                 self._graph_threads.add(threading.get_ident())
-            logits = self._compiled_step()(parts, view, ids, positions, mask)
+            out = self._compiled_step()(parts, view, ids, positions, mask)
         except Exception as exc:  # any compiler failure: decode eagerly, and say so once
             _compile_failure.append(f"{type(exc).__name__}: {exc}")
             logger.warning("torch.compile of the decode step failed (%s); decoding eagerly from now on",
@@ -293,7 +300,7 @@ class Decoder:
             self.stats.compile_seconds[f"batch {shape[0]}, cache {shape[1]}"] = round(seconds, 2)
             logger.info("first decode step of batch %d, cache length %d (compiling or recording it) took %.1f s",
                         *shape, seconds)
-        return logits
+        return out
 
     def _compiled_step(self) -> Any:
         if self._compiled is None:

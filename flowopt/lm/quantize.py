@@ -12,6 +12,8 @@ in full for every token (the measured split: ``benchmarks/results/decode_profile
   int8 copy for larger steps. It is a copy: the input embedding it is tied to stays exact;
 - every Gemma-style RMSNorm (``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in float32) is one fused
   ``torch.nn.functional.rms_norm`` with ``1 + w`` precomputed, instead of ~8 small kernels.
+- attention reads a grouped-query cache once per key head, compiled or not
+  (:func:`flowopt.lm.attention.decode_attention`), instead of a copy per query head.
 
 How a step multiplies depends on its rows (``benchmarks/results/decode_step_rows.md`` measures why):
 
@@ -22,8 +24,8 @@ How a step multiplies depends on its rows (``benchmarks/results/decode_step_rows
   depend on the other rows of its step (per-row scales, exact integer sums);
 - more rows: the exact weights (the twin keeps them by reference). Prefill always uses the exact weights.
 
-Everything else (embedding, rotary, attention, the KV cache) is the model's own modules and tensors,
-shared, not copied. The twin is for decoding only: scoring and training use the model itself, and
+Everything else (embedding, rotary, the attention modules, the KV cache) is the model's own tensors,
+shared, not copied (the module objects and the config are copies). The twin is for decoding only: scoring and training use the model itself, and
 :meth:`DecodeTwin.current` tells a caller when the model's weights changed under the twin (rebuild it then).
 """
 
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from flowopt.errors import ConfigError
+from flowopt.lm.attention import use_decode_attention
 
 QUANTIZE_CHOICES = ("int8", "int4")
 INT4_GROUP = 32  # columns per int4 scale: the finest group torchao's CPU packing takes (best accuracy)
@@ -265,4 +268,5 @@ def decode_twin(decoder: torch.nn.Module, head: torch.nn.Linear, scheme: str) ->
                 setattr(parent, name, Int8Linear(child))
             elif is_gemma_norm(child):
                 setattr(parent, name, FusedGemmaNorm(child))
+    use_decode_attention(twin, decoder)  # its own config (copied): the model keeps its attention
     return twin, Int4Linear(head) if scheme == "int4" else Int8Linear(head)

@@ -1,0 +1,85 @@
+"""Decode-step attention that reads a grouped-query model's KV cache once per key head, compiled or not.
+
+transformers' ``sdpa`` attention gives every query head its own copy of the keys and values (``repeat_kv``)
+when a model has fewer key/value heads than query heads. For one query token it instead folds the query
+heads of each key head into the query axis (``pack_gqa``): the same attention, with no copy. It skips that
+fold under ``torch.compile``, so a compiled decode step copies the whole static cache, for every layer and
+step, to each query head: on the embedded Gemma 3 (4 query heads, 1 key head) that was about 8 of the
+63 ms of an 8-row step on 2 CPU cores (a profile, ``benchmarks/results/decode_quantized_steps_cpu.md``).
+
+:func:`decode_attention` folds the heads in both modes and hands every other case to transformers' own
+``sdpa_attention_forward``. It is registered under :data:`DECODE_ATTENTION`, and
+:func:`use_decode_attention` points a decode-only copy of a decoder (the quantized twin,
+:mod:`flowopt.lm.quantize`) at it; the model's own modules, which scoring and training use, keep ``sdpa``.
+
+Example:
+    >>> import torch
+    >>> from types import SimpleNamespace
+    >>> layer = SimpleNamespace(num_key_value_groups=4)
+    >>> q, kv = torch.randn(2, 4, 1, 8), torch.randn(2, 1, 5, 8)
+    >>> mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    >>> out, _ = decode_attention(layer, q, kv, kv, mask, scaling=0.5)
+    >>> out.shape
+    torch.Size([2, 1, 4, 8])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+DECODE_ATTENTION = "flowopt_decode_sdpa"
+
+
+def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface signature: ``query`` ``[batch, heads, q, dim]``, ``key`` and ``value``
+    ``[batch, kv_heads, length, dim]``; returns ``[batch, q, heads, dim]`` (and no weights)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    one_query = query.shape[2] == 1
+    shared_mask = attention_mask is None or attention_mask.shape[1] == 1  # one mask for all heads
+    if not (one_query and groups > 1 and shared_mask and dropout == 0.0 and kwargs.get("softcap") is None
+            and kwargs.get("position_bias") is None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    batch, heads, _, dim = query.shape
+    folded = query.reshape(batch, heads // groups, groups, dim)  # a key head's query heads as its queries
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask,
+                                                           scale=scaling)
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register :func:`decode_attention` with transformers (idempotent), with ``sdpa``'s masks; its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+    # Without a mask function of its own, transformers builds no mask at all for a custom name.
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+    return DECODE_ATTENTION
+
+
+def use_decode_attention(decoder: torch.nn.Module, source: torch.nn.Module) -> bool:
+    """Point ``decoder``, a module copy of ``source`` with its own config, at :func:`decode_attention` when it
+    uses ``sdpa``; False (nothing changed) otherwise. Raises ``ValueError`` if the copy shares a config with
+    ``source``, whose own attention must not change.
+
+    Example:
+        >>> use_decode_attention(twin_body, model.get_decoder())  # doctest: +SKIP
+        True
+    """
+    configs = {id(m.config): m.config for m in decoder.modules() if getattr(m, "config", None) is not None}
+    originals = {id(m.config) for m in source.modules() if getattr(m, "config", None) is not None}
+    if configs.keys() & originals:
+        raise ValueError("the decode copy shares its config with the model; copy the modules first")
+    if not configs or any(getattr(c, "_attn_implementation", None) != "sdpa" for c in configs.values()):
+        return False
+    name = register()
+    for config in configs.values():
+        config._attn_implementation = name
+    return True
