@@ -73,8 +73,8 @@ def use_decode_attention(decoder: torch.nn.Module, source: torch.nn.Module) -> b
         >>> use_decode_attention(twin_body, model.get_decoder())  # doctest: +SKIP
         True
     """
-    configs = {id(m.config): m.config for m in decoder.modules() if getattr(m, "config", None) is not None}
-    originals = {id(m.config) for m in source.modules() if getattr(m, "config", None) is not None}
+    configs: dict[int, Any] = {id(c): c for m in decoder.modules() if (c := getattr(m, "config", None)) is not None}
+    originals = {id(c) for m in source.modules() if (c := getattr(m, "config", None)) is not None}
     if configs.keys() & originals:
         raise ValueError("the decode copy shares its config with the model; copy the modules first")
     if not configs or any(getattr(c, "_attn_implementation", None) != "sdpa" for c in configs.values()):

@@ -25,8 +25,9 @@ How a step multiplies depends on its rows (``benchmarks/results/decode_step_rows
 - more rows: the exact weights (the twin keeps them by reference). Prefill always uses the exact weights.
 
 Everything else (embedding, rotary, the attention modules, the KV cache) is the model's own tensors,
-shared, not copied (the module objects and the config are copies). The twin is for decoding only: scoring and training use the model itself, and
-:meth:`DecodeTwin.current` tells a caller when the model's weights changed under the twin (rebuild it then).
+shared, not copied (the module objects and the config are copies). The twin is for decoding only: scoring
+and training use the model itself, and :meth:`DecodeTwin.current` tells a caller when the model's weights
+changed under the twin (rebuild it then).
 """
 
 from __future__ import annotations
