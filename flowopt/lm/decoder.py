@@ -2,7 +2,8 @@
 
 A :class:`Decoder` owns one :class:`~flowopt.lm.slots.SlotCache` and the decode step of one model. A
 :class:`DecodeRun` is the set of rows decoding together: :meth:`Decoder.admit` prefills new rows
-(eagerly, in one left-padded batch, straight into their slots) and picks their first token; each
+(eagerly, packed into as few rows as fit: :mod:`flowopt.lm.prefill`, then copied into their slots) and
+picks their first token; each
 :meth:`Decoder.step` feeds every running row's newest token at the shared column ``t`` and picks the
 next; :meth:`Decoder.harvest` takes out the rows that ended and frees their slots. Rows may join
 between any two steps (continuous batching, :mod:`flowopt.lm.continuous`) or all at once (a seeded
@@ -29,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 from flowopt.errors import ConfigError
 from flowopt.lm.decode import Row, StopCheck, choose
 from flowopt.lm.forward import Halves, halves
-from flowopt.lm.packing import WIDTH_MULTIPLE, eos_ids, left_padded, pad_id, padded_length
+from flowopt.lm.packing import WIDTH_MULTIPLE, eos_ids, pad_id, padded_length
+from flowopt.lm.prefill import prefill_into_slots
 from flowopt.lm.slots import SlotCache, power_of_two
 from flowopt.lm.stats import DecodeStats
 
@@ -179,9 +181,10 @@ class Decoder:
         """Prefill ``rows`` into free slots and pick their first tokens; False (nothing done) when the cache
         they need would exceed ``budget`` bytes while other rows are running.
 
-        The prefill's width is the longest prompt rounded up to ``width_multiple`` (the extra left columns are
-        masked, so no output changes): on CPU every new bf16 matmul shape builds and caches a oneDNN kernel,
-        so exact widths grow the process as scoring goes on (benchmarks/results/main_command.md).
+        The new prompts are packed into rows (:mod:`flowopt.lm.prefill`) whose width is rounded up to
+        ``width_multiple`` (masked columns, so no output changes): on CPU every new bf16 matmul shape builds and
+        caches a oneDNN kernel, so exact widths grow the process as scoring goes on
+        (benchmarks/results/main_command.md).
         """
         import torch
 
@@ -209,16 +212,12 @@ class Decoder:
             if run.generator is None:
                 row.seed_stream(self.device)
         with torch.inference_mode():
-            padded = left_padded([r.prompt for r in rows], self.pad, pad_to_multiple_of=self.width_multiple)
-            ids, _, positions = (t.to(self.device) for t in padded)
-            view = cache.view(n, n + len(rows))
-            cache.set_column(view, run.t - width)
-            starts = torch.tensor([r.start for r in rows], device=self.device)
             # Prefill with the exact weights: the prompt's keys and values are the model's own, whatever decodes.
-            logits, greedy = _forward(self.parts(exact=True), view, ids, positions,
-                                      cache.masks(starts, run.t - width, width))
+            logits = prefill_into_slots(self.parts(exact=True), cache, [r.prompt for r in rows],
+                                        slots=[r.slot for r in rows], end=run.t, pad=self.pad,
+                                        width_multiple=self.width_multiple)
             run.rows.extend(rows)
-            self._accept(run, rows, logits, greedy)
+            self._accept(run, rows, logits, logits.argmax(dim=-1))
         return True
 
     def _shift(self, run: DecodeRun, by: int) -> None:

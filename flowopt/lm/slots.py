@@ -165,11 +165,12 @@ class SlotCache:
         visible = (col >= starts.view(-1, 1, 1)) & (col <= q)
         full = (visible | own).unsqueeze(1)
         if self.window is None:
-            return self._typed(full)
+            return self.typed(full)
         sliding = ((visible & (col > q - self.window)) | own).unsqueeze(1)
-        return {"full_attention": self._typed(full), "sliding_attention": self._typed(sliding)}
+        return {"full_attention": self.typed(full), "sliding_attention": self.typed(sliding)}
 
-    def _typed(self, mask: torch.Tensor) -> torch.Tensor:
+    def typed(self, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` (boolean) as the attention implementation takes it: as is, or additive for eager."""
         import torch
 
         if self.attention == "eager":  # eager attention adds its mask to the scores

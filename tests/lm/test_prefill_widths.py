@@ -1,5 +1,6 @@
 """Prefill widths are padded to a multiple (so that on CPU a few matmul shapes repeat and oneDNN's per-shape
-kernels stop piling up while scoring); the padding is masked, so tokens and log-probs do not change."""
+kernels stop piling up while scoring); the padding is masked, so tokens and log-probs do not change.
+Prompts admitted together are packed into shared rows (flowopt.lm.prefill)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from flowopt.errors import ConfigError
 from flowopt.lm.decode import Row
 from flowopt.lm.decoder import Decoder, DecodeRun
 from flowopt.lm.packing import WIDTH_MULTIPLE, padded_length
+from flowopt.lm.prefill import PACK_TOKENS
 from flowopt.lm.sampling import RowSettings, sample
 
 TEXTS = ["Question: What is two plus two?", "The quick brown fox jumps over the lazy dog. A stitch in time saves",
@@ -78,7 +80,10 @@ def test_the_model_sees_only_bucketed_prefill_widths(tiny_local):
     prefills = [w for w in widths if w != 1]  # decode steps feed one column
     assert len(prefills) == 4
     assert all(w % WIDTH_MULTIPLE == 0 for w in prefills)
-    assert prefills[0] == prefills[1] == WIDTH_MULTIPLE  # different longest prompts, one shape
-    assert prefills[3] == padded_length(len(long_prompt), WIDTH_MULTIPLE) > WIDTH_MULTIPLE
+    # the prompts of each batch are packed into one row (flowopt.lm.prefill), its width rounded up
+    batches = ([prompts[0]], prompts[:2], prompts, [long_prompt, prompts[2]])
+    assert all(sum(len(p) for p in batch) <= PACK_TOKENS for batch in batches)
+    assert prefills == [padded_length(sum(len(p) for p in batch), WIDTH_MULTIPLE) for batch in batches]
+    assert prefills[0] == WIDTH_MULTIPLE < prefills[3]
     with pytest.raises(ConfigError, match="width_multiple"):
         Decoder(lambda: model, tokenizer, width_multiple=0)
