@@ -116,7 +116,10 @@ def prefill_into_slots(parts: Halves, cache: SlotCache, prompts: Sequence[Sequen
     # A cache without a config has only full-length layers: sliding-window ones would keep just their window.
     hidden, past = parts.hidden(packed.ids.to(device), masks, packed.positions.to(device), cache=DynamicCache(),
                                 use_cache=True)
-    source_rows, source_columns, target_slots, target_columns = [], [], [], []
+    source_rows: list[int] = []
+    source_columns: list[int] = []
+    target_slots: list[int] = []
+    target_columns: list[int] = []
     for slot, (row, first), length in zip(slots, packed.places, packed.lengths):
         source_rows += [row] * length
         source_columns += range(first, first + length)
