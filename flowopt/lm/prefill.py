@@ -82,6 +82,7 @@ def packed_masks(segments: torch.Tensor, window: int | None) -> torch.Tensor:
     ``window`` of them); a padding column sees itself only, so no softmax row is empty.
 
     Example:
+        >>> import torch
         >>> packed_masks(torch.tensor([[0, 0, 1, -1]]), None)[0, 0].int().tolist()
         [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
     """
