@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             "generate": lambda c: generate_round(local, prompts[:max(c, 4)], c, args.tokens, static=False),
             "generate-static": lambda c: generate_round(local, prompts[:max(c, 4)], c, args.tokens, static=True)}
         results: dict[str, Any] = {"device": str(local.device), "dtype": str(local.dtype).replace("torch.", ""),
-                                   "rates": {}, "warmup_s": {}, "tokens": {}}
+                                   "rates": {}, "warmup_s": {}, "tokens": {}, "seconds": {}}
         for c in callers:
             logger.info("%d caller(s): warm-up of %s", c, ", ".join(impls))
             warm = {name: cases[name](c) for name in impls}  # compiles here
@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = interleaved({name: (lambda name=name, c=c: cases[name](c)) for name in impls}, args.repeats)
             results["rates"][str(c)] = {n: round(statistics.median(k / s for k, s in v), 2) for n, v in runs.items()}
             results["tokens"][str(c)] = {n: [k for k, _ in v] for n, v in runs.items()}
+            results["seconds"][str(c)] = {n: [round(s, 3) for _, s in v] for n, v in runs.items()}  # per repeat
             logger.info("%d caller(s): tokens/s %s", c, results["rates"][str(c)])
             # What is measured so far survives a run stopped by a time limit (a GPU call's, say).
             atomic_write_json(run.sibling(".partial.json"), results)
