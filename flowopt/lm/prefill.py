@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from flowopt.lm.packing import padded_length
 
@@ -76,7 +76,7 @@ def pack_prompts(prompts: Sequence[Sequence[int]], *, pad: int, capacity: int, w
     return PackedPrompts(ids, positions, segments, places, [len(p) for p in prompts])
 
 
-def packed_masks(segments: torch.Tensor, window: int | None) -> torch.Tensor:
+def packed_masks(segments: torch.Tensor, window: int | None) -> torch.Tensor | dict[str, torch.Tensor]:
     """Boolean ``[rows, 1, width, width]`` mask (a ``{"full_attention", "sliding_attention"}`` dict when
     ``window`` is set): a token sees its own prompt's tokens up to itself (in sliding layers the last
     ``window`` of them); a padding column sees itself only, so no softmax row is empty.
@@ -99,7 +99,7 @@ def packed_masks(segments: torch.Tensor, window: int | None) -> torch.Tensor:
     # A prompt's columns are contiguous and its positions count from its first one: a window over columns
     # is the window over positions.
     sliding = ((visible & (col > query - window)) | own).unsqueeze(1)
-    return {"full_attention": full, "sliding_attention": sliding}  # type: ignore[return-value]
+    return {"full_attention": full, "sliding_attention": sliding}
 
 
 def prefill_into_slots(parts: Halves, cache: SlotCache, prompts: Sequence[Sequence[int]], *, slots: Sequence[int],
@@ -112,11 +112,11 @@ def prefill_into_slots(parts: Halves, cache: SlotCache, prompts: Sequence[Sequen
 
     packed = pack_prompts(prompts, pad=pad, capacity=PACK_TOKENS, width_multiple=width_multiple)
     device = cache.device
-    masks: Any = packed_masks(packed.segments.to(device), cache.window)
-    masks = {k: cache.typed(v) for k, v in masks.items()} if isinstance(masks, dict) else cache.typed(masks)
+    masks = packed_masks(packed.segments.to(device), cache.window)
+    typed = {k: cache.typed(v) for k, v in masks.items()} if isinstance(masks, dict) else cache.typed(masks)
     # A cache without a config has only full-length layers: sliding-window ones would keep just their window.
-    hidden, past = parts.hidden(packed.ids.to(device), masks, packed.positions.to(device), cache=DynamicCache(),
-                                use_cache=True)
+    hidden, past = parts.hidden(packed.ids.to(device), typed, packed.positions.to(device),  # type: ignore[arg-type]
+                                cache=DynamicCache(), use_cache=True)
     source_rows: list[int] = []
     source_columns: list[int] = []
     target_slots: list[int] = []
