@@ -90,3 +90,17 @@ def test_a_seeded_row_draws_with_its_own_multinomial_whatever_rows_run_beside_it
         expected = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(10 + i)).item()
         assert s.completion_ids == [expected]
         assert sample(model, tokenizer, [PROMPTS[i]], [seeded[i]])[0].completion_ids == [expected]
+
+
+def test_choose_takes_the_steps_argmax_for_greedy_rows_and_recomputes_it_beside_sampled_ones():
+    from flowopt.lm.decode import Row, choose
+
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0]])
+    greedy_rows = [Row([1], RowSettings(max_new_tokens=2)) for _ in range(2)]
+    assert choose(greedy_rows, logits, None)[0] == [1, 0]
+    # a compiled step hands over its in-graph argmax and greedy rows take it as is (here a made-up one, to see it)
+    assert choose(greedy_rows, logits, None, torch.tensor([2, 2]))[0] == [2, 2]
+    # beside a sampled row the argmax comes from the scores again: the greedy row gets its true argmax
+    mixed = [Row([1], RowSettings(max_new_tokens=2), index=0),
+             Row([1], RowSettings(max_new_tokens=2, temperature=1.0, top_k=1), index=1)]
+    assert choose(mixed, logits, torch.tensor([0.5, 0.5]), torch.tensor([2, 2]))[0] == [1, 0]
