@@ -40,8 +40,13 @@ def test_packed_masks_keep_prompts_apart_and_apply_the_window():
     assert full[5].tolist() == [False] * 5 + [True]  # padding sees itself only: no empty softmax row
 
 
-def test_prompts_prefilled_together_decode_as_each_does_alone(tiny_local):
-    model, tokenizer = tiny_local.model, tiny_local.tokenizer
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])  # eager attention adds its masks: they are converted
+def test_prompts_prefilled_together_decode_as_each_does_alone(tiny_local, tiny_model_dir, attention):
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tiny_local.tokenizer
+    model = tiny_local.model if attention == "sdpa" else AutoModelForCausalLM.from_pretrained(
+        str(tiny_model_dir), dtype=torch.float32, attn_implementation="eager", local_files_only=True).eval()
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
     assert max(len(p) for p in prompts) > 16  # longer than the tiny model's sliding window
     settings = RowSettings(max_new_tokens=10, logprobs=True)
