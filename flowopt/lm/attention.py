@@ -4,8 +4,9 @@ transformers' ``sdpa`` attention gives every query head its own copy of the keys
 when a model has fewer key/value heads than query heads. For one query token it instead folds the query
 heads of each key head into the query axis (``pack_gqa``): the same attention, with no copy. It skips that
 fold under ``torch.compile``, so a compiled decode step copies the whole static cache, for every layer and
-step, to each query head: on the embedded Gemma 3 (4 query heads, 1 key head) that was about 8 of the
-63 ms of an 8-row step on 2 CPU cores (a profile, ``benchmarks/results/decode_quantized_steps_cpu.md``).
+step, to each query head. On the embedded Gemma 3 (4 query heads, 1 key head), in an 8-row step on 2 CPU
+cores, the copies and the attention over them took about 15 of 63 ms; folded, the attention takes about 5
+(a profile, ``benchmarks/results/decode_quantized_steps_cpu.md``, its notes).
 
 :func:`decode_attention` folds the heads in both modes and hands every other case to transformers' own
 ``sdpa_attention_forward``. It is registered under :data:`DECODE_ATTENTION`, and

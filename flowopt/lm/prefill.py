@@ -112,25 +112,19 @@ def prefill_into_slots(parts: Halves, cache: SlotCache, prompts: Sequence[Sequen
 
     packed = pack_prompts(prompts, pad=pad, capacity=PACK_TOKENS, width_multiple=width_multiple)
     device = cache.device
-    masks = packed_masks(packed.segments.to(device), cache.window)
+    segments, positions = packed.segments.to(device), packed.positions.to(device)
+    masks = packed_masks(segments, cache.window)
     typed = {k: cache.typed(v) for k, v in masks.items()} if isinstance(masks, dict) else cache.typed(masks)
     # A cache without a config has only full-length layers: sliding-window ones would keep just their window.
-    hidden, past = parts.hidden(packed.ids.to(device), typed, packed.positions.to(device),  # type: ignore[arg-type]
+    hidden, past = parts.hidden(packed.ids.to(device), typed, positions,  # type: ignore[arg-type]
                                 cache=DynamicCache(), use_cache=True)
-    source_rows: list[int] = []
-    source_columns: list[int] = []
-    target_slots: list[int] = []
-    target_columns: list[int] = []
-    for slot, (row, first), length in zip(slots, packed.places, packed.lengths):
-        source_rows += [row] * length
-        source_columns += range(first, first + length)
-        target_slots += [slot] * length
-        target_columns += range(end - length, end)
-    source = (torch.tensor(source_rows, device=device), torch.tensor(source_columns, device=device))
-    target = (torch.tensor(target_slots, device=device), torch.tensor(target_columns, device=device))
+    # Every prompt column goes to its prompt's slot, at the column its position has counting back from ``end``.
+    source = (segments >= 0).nonzero(as_tuple=True)
+    prompt = segments[source]
+    lengths = torch.tensor(packed.lengths, device=device)
+    target = (torch.tensor(list(slots), device=device)[prompt], end - lengths[prompt] + positions[source])
     for layer, keys, values in zip(past.layers, cache.keys, cache.values, strict=True):
         keys[target[0], :, target[1]] = layer.keys[source[0], :, source[1]]
         values[target[0], :, target[1]] = layer.values[source[0], :, source[1]]
-    last = torch.tensor([row for row, _ in packed.places], device=device), \
-        torch.tensor([first + length - 1 for (_, first), length in zip(packed.places, packed.lengths)], device=device)
-    return parts.logits(hidden[last])
+    places = torch.tensor(packed.places, device=device)  # [prompts, 2]: row, first column
+    return parts.logits(hidden[places[:, 0], places[:, 1] + lengths - 1])
