@@ -22,6 +22,7 @@ stratified rule at ``alpha=0.05`` or with looks every 10%; "two best" at ``alpha
 in its synchronous form (optuna's own judges each trial against those that reached the rung before it
 asked, so in a race it depends on the order of asking). "Where the calls go" splits a few rules' calls:
 bootstraps, the incumbent (never pruned), the pick, the other fully scored candidates, the stopped ones.
+``--race-start`` prices that fixed cost: every rule may then stop the incumbent too.
 
 Seeds: world seed ``shape_index + 3 * i`` as ``search_defaults``; the tuning blocks are ``--first-seed 0``
 and ``10000``. Run:  nice -n 5 python -m flowopt.benchmarks.perf.search_pruning_replay --first-seed 0 10000
@@ -189,9 +190,12 @@ def collect(job: tuple[int, str, int, int, int]) -> dict[str, Any]:
     return {"seed": seed, "shape": shape, "calls": lm.engine.calls, "candidates": captured}
 
 
-def replay(record: dict[str, Any], rule: Pruner, threads: int = 8) -> dict[str, Any]:
-    """Race ``rule`` on one seed's full scores as the search's one wave would: pick, calls, pruning looks."""
+def replay(record: dict[str, Any], rule: Pruner, threads: int = 8, race_start: bool = False) -> dict[str, Any]:
+    """Race ``rule`` on one seed's full scores as the search's one wave would: pick, calls, pruning looks.
+    ``race_start``: the incumbent may be stopped like any candidate (the search never does this: the compiler
+    scores its start in full as the baseline; the option prices that fixed cost)."""
     full = {c["number"]: [float(x) for x in c["scores"]] for c in record["candidates"]}
+    incumbent = None if race_start else next(c["number"] for c in record["candidates"] if c["kind"] == "incumbent")
     n = len(next(iter(full.values())))
     ends = rule.rung_ends(n, None)
     alive, scores, prev, stopped = sorted(full), {k: [] for k in full}, 0, {}
@@ -207,7 +211,7 @@ def replay(record: dict[str, Any], rule: Pruner, threads: int = 8) -> dict[str, 
             if rule.scores_leader_ahead:
                 leader = max(alive, key=lambda k: (sum(full[k][:cum]), -k))
                 scores[leader] = full[leader]
-            pruned = rule.prune(Look({k: scores[k] for k in alive}, {}, cum, 0, population=n))
+            pruned = rule.prune(Look({k: scores[k] for k in alive}, {}, cum, incumbent, population=n))
             stopped.update({k: cum for k in pruned})
             alive = [k for k in alive if k not in pruned]
     bootstraps = record["calls"] - n * len(full)
@@ -216,13 +220,13 @@ def replay(record: dict[str, Any], rule: Pruner, threads: int = 8) -> dict[str, 
             "bootstraps": bootstraps, "scored": {k: len(v) for k, v in scores.items()}}
 
 
-def where_calls_go(records: list[dict[str, Any]], make: Callable[[], Pruner]) -> dict[str, float]:
+def where_calls_go(records: list[dict[str, Any]], make: Callable[[], Pruner], race_start: bool = False) -> dict[str, float]:
     """A rule's mean LM calls a seed, split: bootstraps (every rule pays them), the incumbent (never pruned;
     the compiler scores it on the whole valset as its baseline anyway), the pick, the other fully scored
     candidates, and the stopped ones."""
     parts: dict[str, list[float]] = {k: [] for k in ("bootstraps", "incumbent", "pick", "others_full", "stopped")}
     for record in records:
-        out = replay(record, make())
+        out = replay(record, make(), race_start=race_start)
         n = len(record["candidates"][0]["scores"])
         incumbent = next(c["number"] for c in record["candidates"] if c["kind"] == "incumbent")
         rest = {k: v for k, v in out["scored"].items() if k not in (incumbent, out["pick"])}
@@ -234,7 +238,7 @@ def where_calls_go(records: list[dict[str, Any]], make: Callable[[], Pruner]) ->
     return {k: round(statistics.fmean(v), 1) for k, v in parts.items()}
 
 
-def compare(records: list[dict[str, Any]], make: Callable[[], Pruner]) -> dict[str, Any]:
+def compare(records: list[dict[str, Any]], make: Callable[[], Pruner], race_start: bool = False) -> dict[str, Any]:
     """A rule over ``records``: test difference against BFRS's pick, picks that differ, calls ratio, and
     at which look the valset's best was stopped where it was."""
     diffs, ratios, at = [], [], []
@@ -242,7 +246,7 @@ def compare(records: list[dict[str, Any]], make: Callable[[], Pruner]) -> dict[s
         test = {c["number"]: c["test"] for c in record["candidates"]}
         totals = {c["number"]: c["scores"].count("1") for c in record["candidates"]}
         best = max(totals, key=lambda k: (totals[k], -k))  # BFRS's pick: the first of the best
-        out = replay(record, make())
+        out = replay(record, make(), race_start=race_start)
         diffs.append(test[out["pick"]] - test[best])
         ratios.append(out["calls"] / record["calls"])
         if best in out["stopped"]:
@@ -273,7 +277,10 @@ def body(summary: dict[str, Any], args: Any) -> list[str]:
              f"/ {args.test} test, 8 threads. Test difference: the rule's pick against BFRS(8)'s (the valset's "
              "best), expected accuracy on the test split, paired per seed, mean [95% t-interval]. Calls: exact, "
              "x BFRS(8)'s (mean; max over the seeds). 'Best stopped': seeds in which the rule stopped the "
-             "valset's best candidate, and at which look (examples scored).", ""]
+             "valset's best candidate, and at which look (examples scored)."
+             + (" `--race-start`: every rule may stop the incumbent (the zero-shot start) too; the search never "
+                "does, because the compiler scores its start in full as the baseline." if args.race_start else ""),
+             ""]
     rows = [[shape, rule, f"{r['diff'][0]:+.4f} [{r['diff'][1]:+.4f}, {r['diff'][2]:+.4f}]",
              f"{r['better']}/{r['n'] - r['better'] - r['worse']}/{r['worse']}",
              f"{r['best_stopped']} ({', '.join(map(str, r['best_stopped_at'])) or '-'})",
@@ -311,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", type=Path, default=None, help="a search_defaults seeds log to check the replay by")
     parser.add_argument("--check-method", default="flowopt_bfrs8_candidates",
                         help="the log's method that ran the search's default rule on these candidates")
+    parser.add_argument("--race-start", action="store_true",
+                        help="let every rule stop the incumbent too (prices the compiler's full baseline score)")
     run = start_run(parser, argv)
     args = run.args
     jobs = [(SHAPES.index(shape) + 3 * i, shape, args.train, args.val, args.test)
@@ -333,10 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     for shape in [*SHAPES, "all"]:
         chosen = [r for r in records if shape in ("all", r["shape"])]
         if chosen:
-            summary["rules"][shape] = {name: compare(chosen, make) for name, make in RULES.items()}
+            summary["rules"][shape] = {name: compare(chosen, make, args.race_start) for name, make in RULES.items()}
     summary["bfrs8_calls"] = statistics.fmean(r["calls"] for r in records)
-    summary["calls_split"] = {name: where_calls_go(records, RULES[name]) for name in SPLIT_RULES}
-    if args.check is not None:
+    summary["calls_split"] = {name: where_calls_go(records, RULES[name], args.race_start) for name in SPLIT_RULES}
+    summary["race_start"] = args.race_start
+    if args.check is not None and not args.race_start:  # the search's own race never stops its start
         summary["check"] = check(records, args.check, args.check_method)
     run.finish("Pruning rules replayed on BFRS(8)'s candidates", {"summary": summary}, body(summary, args))
     return 0
