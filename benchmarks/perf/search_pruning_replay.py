@@ -220,7 +220,8 @@ def replay(record: dict[str, Any], rule: Pruner, threads: int = 8, race_start: b
             "bootstraps": bootstraps, "scored": {k: len(v) for k, v in scores.items()}}
 
 
-def where_calls_go(records: list[dict[str, Any]], make: Callable[[], Pruner], race_start: bool = False) -> dict[str, float]:
+def where_calls_go(records: list[dict[str, Any]], make: Callable[[], Pruner],
+                   race_start: bool = False) -> dict[str, float]:
     """A rule's mean LM calls a seed, split: bootstraps (every rule pays them), the incumbent (never pruned;
     the compiler scores it on the whole valset as its baseline anyway), the pick, the other fully scored
     candidates, and the stopped ones."""
