@@ -75,3 +75,19 @@ def test_where_the_calls_go_adds_up_to_the_replayed_calls():
     split = where_calls_go([record], make)
     assert split == {"bootstraps": 5, "incumbent": 40, "pick": 40, "others_full": 0, "stopped": 20}
     assert sum(split.values()) == replay(record, make())["calls"]
+
+
+def test_race_start_lets_a_rule_stop_the_incumbent_and_counts_only_what_it_scored():
+    from flowopt.benchmarks.perf.search_pruning_replay import where_calls_go
+
+    record = {"seed": 0, "shape": "demos_only", "calls": 5 + 3 * 40, "candidates": [
+        {"number": 0, "kind": "incumbent", "scores": "0" * 40, "test": 0.1},
+        {"number": 1, "kind": "bootstrap", "scores": "1110" * 10, "test": 0.7},
+        {"number": 2, "kind": "labeled", "scores": "10" * 20, "test": 0.5}]}
+    make = RULES["confidence (default)"]
+    kept = replay(record, make())
+    assert 0 not in kept["stopped"] and kept["scored"][0] == 40  # the search never stops its start
+    raced = replay(record, make(), race_start=True)
+    assert raced["stopped"][0] == 20 and raced["pick"] == 1 and raced["calls"] == kept["calls"] - 20
+    assert where_calls_go([record], make, race_start=True)["incumbent"] == 20
+    assert compare([record], make, race_start=True)["diff"][0] == 0.0
