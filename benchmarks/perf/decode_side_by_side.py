@@ -10,6 +10,9 @@ token limit, on the same weights in one process, and stops at EOS. ``C`` concurr
 
 - ``local`` / ``local-compiled``: C threads each calling ``LocalLM.complete_ids`` (continuous batching;
   the second with the decode step compiled, ``compile=True``: CUDA graphs on CUDA), on one shared model;
+- ``local-compiled-sdpa``: ``local-compiled`` on its own copy of the weights, whose compiled step keeps
+  transformers' ``sdpa`` attention (``CompileSettings(decode_attention=False)``): what
+  :mod:`flowopt.lm.attention` buys (the other compiled impls switch the shared model's attention);
 - ``local-int8`` / ``local-int4``: ``local`` with ``quantize="int8"`` / ``"int4"`` (CPU: steps of up to 16
   rows through a quantized twin, :mod:`flowopt.lm.quantize`), on the same model; ``--agreement``
   also counts how many of the prompts each decodes greedily to exactly the tokens ``local`` decodes;
@@ -42,6 +45,7 @@ benchmarks/results/). The goals: ``local-compiled`` >= 1.0x ``generate-static`` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import tempfile
@@ -58,8 +62,8 @@ logger = logging.getLogger(__name__)
 
 SMOKE = {"model": "tiny", "callers": "1,4", "tokens": 4, "repeats": 1, "impls": "local,local-int8,generate",
          "dtype": "float32", "agreement": 2}
-IMPLS = ("local", "local-compiled", "local-int8", "local-int4", "local-int8-compiled", "local-int4-compiled",
-         "generate", "generate-static")
+IMPLS = ("local", "local-compiled", "local-compiled-sdpa", "local-int8", "local-int4", "local-int8-compiled",
+         "local-int4-compiled", "generate", "generate-static")
 # name: (quantize, compile) of a LocalLM twin on the same model
 QUANTIZED = {"local-int8": ("int8", False), "local-int4": ("int4", False), "local-int8-compiled": ("int8", True),
              "local-int4-compiled": ("int4", True)}
@@ -213,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         compiled = LocalLM.from_model(local.model, local.tokenizer, name="compiled", max_new_tokens=args.tokens,
                                       batch_wait_ms=5, compile=True)
         prompts = [local.render(t) for t in gsm8k_prompts(max(max(callers), 4, args.agreement))]
+        plain = sdpa = None
+        if "local-compiled-sdpa" in impls:  # its own weights: a compiled step switches its model's attention
+            plain = load(args.model, args.device, args.dtype, Path(tmp))
+            sdpa = LocalLM.from_model(plain.model, plain.tokenizer, name="compiled-sdpa", max_new_tokens=args.tokens,
+                                      batch_wait_ms=5, compile=True)
+            sdpa.compile_settings = dataclasses.replace(sdpa.compile_settings, decode_attention=False)
         twins = {name: LocalLM.from_model(local.model, local.tokenizer, name=name, max_new_tokens=args.tokens,
                                           batch_wait_ms=5, compile=compiled_step, quantize=scheme)
                  for name, (scheme, compiled_step) in QUANTIZED.items() if name in impls}
@@ -221,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             **{name: (lambda c, twin=twin: local_round(twin, prompts[:max(c, 4)], c, args.tokens))
                for name, twin in twins.items()},
             "local-compiled": lambda c: local_round(compiled, prompts[:max(c, 4)], c, args.tokens),
+            "local-compiled-sdpa": lambda c: local_round(sdpa, prompts[:max(c, 4)], c, args.tokens),
             "generate": lambda c: generate_round(local, prompts[:max(c, 4)], c, args.tokens, static=False),
             "generate-static": lambda c: generate_round(local, prompts[:max(c, 4)], c, args.tokens, static=True)}
         results: dict[str, Any] = {"device": str(local.device), "dtype": str(local.dtype).replace("torch.", ""),
@@ -243,8 +254,13 @@ def main(argv: list[str] | None = None) -> int:
             results[f"{name}_decode_stats"] = twin.decode_stats.summary()
             twin.close()
         results["local_compiled_decode_stats"] = compiled.decode_stats.summary()
+        results["attention"] = {name: lm.model.config._attn_implementation for name, lm in
+                                (("local-compiled", compiled), ("local-compiled-sdpa", sdpa)) if name in impls}
         local.close()
         compiled.close()
+        for extra in (sdpa, plain):
+            if extra is not None:
+                extra.close()
     run.sibling(".partial.json").unlink(missing_ok=True)
     body, goals = report(args, impls, callers, results)
     run.finish("Decode tokens/s side by side: LocalLM vs transformers generate (dynamic, static compiled)",

@@ -9,9 +9,12 @@ cores, the copies and the attention over them took about 15 of 63 ms; folded, th
 (a profile, ``benchmarks/results/decode_quantized_steps_cpu.md``, its notes).
 
 :func:`decode_attention` folds the heads in both modes and hands every other case to transformers' own
-``sdpa_attention_forward``. It is registered under :data:`DECODE_ATTENTION`, and
-:func:`use_decode_attention` points a decode-only copy of a decoder (the quantized twin,
-:mod:`flowopt.lm.quantize`) at it; the model's own modules, which scoring and training use, keep ``sdpa``.
+``sdpa_attention_forward``. It is registered under :data:`DECODE_ATTENTION`. :func:`use_decode_attention`
+points a decode-only copy of a decoder (the quantized twin, :mod:`flowopt.lm.quantize`) at it, and
+:func:`compile_with_decode_attention` the model itself when its exact weights decode in a compiled step (on
+CUDA by default). That is safe for the model's other forwards (scoring, training, prefill): for them, and
+for an eager decode step, :func:`decode_attention` computes what ``sdpa`` computes; only a compiled graph
+changes (no copy of the cache per query head).
 
 Example:
     >>> import torch
@@ -74,10 +77,34 @@ def use_decode_attention(decoder: torch.nn.Module, source: torch.nn.Module) -> b
         >>> use_decode_attention(twin_body, model.get_decoder())  # doctest: +SKIP
         True
     """
-    configs: dict[int, Any] = {id(c): c for m in decoder.modules() if (c := getattr(m, "config", None)) is not None}
-    originals = {id(c) for m in source.modules() if (c := getattr(m, "config", None)) is not None}
-    if configs.keys() & originals:
+    configs = _configs(decoder)
+    if configs.keys() & _configs(source).keys():
         raise ValueError("the decode copy shares its config with the model; copy the modules first")
+    return _switch(configs)
+
+
+def compile_with_decode_attention(model: torch.nn.Module) -> bool:
+    """Point ``model``'s own attention at :func:`decode_attention` (in place) when it uses ``sdpa``, for a decode
+    step that is compiled; False (nothing changed) otherwise.
+
+    Its other forwards are unchanged: :func:`decode_attention` hands them to transformers' ``sdpa``, and
+    folds a single query token as ``sdpa`` itself does when not compiling. The name is not saved with the
+    model (transformers keeps it out of ``config.json``).
+
+    Example:
+        >>> compile_with_decode_attention(model)  # doctest: +SKIP
+        True
+    """
+    return _switch(_configs(model))
+
+
+def _configs(module: torch.nn.Module) -> dict[int, Any]:
+    """The distinct configs of ``module``'s submodules, by id."""
+    return {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None}
+
+
+def _switch(configs: dict[int, Any]) -> bool:
+    """Set every config in ``configs`` to :data:`DECODE_ATTENTION` if all of them use ``sdpa``."""
     if not configs or any(getattr(c, "_attn_implementation", None) != "sdpa" for c in configs.values()):
         return False
     name = register()

@@ -74,6 +74,10 @@ class CompileSettings:
     it compiled slower than a static bucket and its speed is not measured
     (``benchmarks/results/gsm8k_gemma_h200.md``).
 
+    ``decode_attention=True`` (the default) points a model that decodes with its exact weights in a compiled
+    step at :func:`flowopt.lm.attention.decode_attention`, which reads a grouped-query cache once per key head;
+    ``False`` keeps transformers' ``sdpa`` (the benchmarks' side-by-side; ``LocalLM`` does not expose it).
+
     Example:
         >>> CompileSettings(enabled=True).dynamic
         False
@@ -83,6 +87,7 @@ class CompileSettings:
     backend: str = "inductor"
     mode: str | None = None
     dynamic: bool = False
+    decode_attention: bool = True
 
 
 def _forward(parts: Halves, cache: Any, ids: torch.Tensor, positions: torch.Tensor,
@@ -156,6 +161,10 @@ class Decoder:
         if not (cached is not None and cached[0] is model and (cached[1] is None or cached[1].current())):
             own = halves(model)
             twin = None if self.quantize is None else self._twin(own)
+            if twin is None and self.settings.enabled and self.settings.decode_attention:  # the cache read once
+                from flowopt.lm.attention import compile_with_decode_attention
+
+                compile_with_decode_attention(model)
             decoding = own if twin is None else dataclasses.replace(own, decoder=twin.decoder, head=twin.head)
             cached = self._parts = (model, twin, own, decoding)
         return cached[2] if exact else cached[3]

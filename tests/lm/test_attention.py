@@ -1,5 +1,6 @@
 """Decode-step attention (flowopt.lm.attention): the same attention as transformers' sdpa, without the
-per-query-head copy of the cache, compiled or not; only a decode copy's config points at it."""
+per-query-head copy of the cache, compiled or not; a decode copy's config points at it, and the model's own
+when its exact weights decode in a compiled step."""
 
 from __future__ import annotations
 
@@ -79,3 +80,37 @@ def test_only_the_twin_decodes_with_it_and_the_model_keeps_sdpa(tiny_model_dir):
         {DECODE_ATTENTION}
     with pytest.raises(ValueError, match="shares its config"):
         use_decode_attention(exact.decoder, exact.decoder)
+
+
+def test_a_compiled_exact_decoder_points_the_model_at_it_and_nothing_else_changes(tiny_model_dir, monkeypatch):
+    """The tiny model groups 2 query heads per key head. Its compiled exact decode step switches the model to
+    decode attention; the tokens and log-probs equal the eager loop's (with sdpa), and the model's own forward
+    over many tokens (scoring, training) gives the very logits it gave with sdpa."""
+    from flowopt.lm import decoder as decoder_module
+    from flowopt.lm.attention import DECODE_ATTENTION
+    from flowopt.lm.decoder import CompileSettings, Decoder
+    from flowopt.lm.loading import load_pretrained
+    from flowopt.lm.sampling import RowSettings, sample
+
+    monkeypatch.setattr(decoder_module, "_compile_failure", [])
+    model, tokenizer = load_pretrained(tiny_model_dir, "cpu", "float32")
+    assert model.config.num_attention_heads // model.config.num_key_value_heads == 2
+    prompts = [tokenizer("Question: What is two plus two? Reasoning:")["input_ids"], tokenizer("hello")["input_ids"]]
+    rows = [RowSettings(max_new_tokens=6, logprobs=True)] * 2
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+    eager = sample(model, tokenizer, prompts, rows)
+    Decoder(lambda: model, tokenizer)  # not compiled: nothing changes
+    assert model.config._attn_implementation == "sdpa"
+
+    compiled = Decoder(lambda: model, tokenizer, compile=CompileSettings(enabled=True, backend="aot_eager"))
+    out = sample(model, tokenizer, prompts, rows, decoder=compiled)
+    assert model.config._attn_implementation == DECODE_ATTENTION
+    assert compiled.stats.eager_reason is None
+    assert [s.completion_ids for s in out] == [s.completion_ids for s in eager]
+    for got, want in zip(out, eager):
+        torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    assert "attn_implementation" not in model.config.to_json_string()
