@@ -65,7 +65,7 @@ def test_compiled_decode_attention_reads_the_cache_without_copying_it_per_query_
                                rtol=1e-5, atol=1e-5)
 
 
-def test_only_the_twin_decodes_with_it_and_the_model_keeps_sdpa(tiny_model_dir):
+def test_a_twin_decodes_with_it_on_its_own_config_and_the_model_keeps_sdpa(tiny_model_dir):
     pytest.importorskip("torchao")
     from flowopt.lm.attention import DECODE_ATTENTION, use_decode_attention
     from flowopt.lm.forward import halves
