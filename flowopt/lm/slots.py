@@ -57,7 +57,11 @@ class SlotCache:
         window = getattr(config, "sliding_window", None)
         # Models with sliding layers (Gemma 2/3, ...) take one mask per layer type, as a dict.
         self.window: int | None = int(window) if window and "sliding_attention" in types else None
-        self.attention = str(getattr(config, "_attn_implementation", "sdpa") or "sdpa")
+        from flowopt.lm.attention import DECODE_ATTENTION
+
+        attention = str(getattr(config, "_attn_implementation", "sdpa") or "sdpa")
+        # A compiled step may have pointed the model at flowopt's decode attention, which takes sdpa's masks.
+        self.attention = "sdpa" if attention == DECODE_ATTENTION else attention
         param = next(base.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.capacity = 0

@@ -114,3 +114,8 @@ def test_a_compiled_exact_decoder_points_the_model_at_it_and_nothing_else_change
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
     assert "attn_implementation" not in model.config.to_json_string()
+    # A decoder made after the switch (a LocalLM's second one: GRPO rollouts) takes the model as it is now.
+    later = Decoder(lambda: model, tokenizer)
+    assert later.cache.supported() is None
+    assert [s.completion_ids for s in sample(model, tokenizer, prompts, rows, decoder=later)] == \
+        [s.completion_ids for s in eager]
