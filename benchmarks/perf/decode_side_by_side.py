@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown --impls {unknown}; choose from {list(IMPLS)}")
     callers = [int(c) for c in args.callers.split(",")]
     from flowopt.lm import LocalLM
+    from flowopt.lm.attention import attention_name
 
     with tempfile.TemporaryDirectory() as tmp:
         local = load(args.model, args.device, args.dtype, Path(tmp))
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             results[f"{name}_decode_stats"] = twin.decode_stats.summary()
             twin.close()
         results["local_compiled_decode_stats"] = compiled.decode_stats.summary()
-        results["attention"] = {name: lm.model.config._attn_implementation for name, lm in
+        results["attention"] = {name: attention_name(lm.model) for name, lm in
                                 (("local-compiled", compiled), ("local-compiled-sdpa", sdpa)) if name in impls}
         local.close()
         compiled.close()

@@ -98,6 +98,16 @@ def compile_with_decode_attention(model: torch.nn.Module) -> bool:
     return _switch(_configs(model))
 
 
+def attention_name(model: torch.nn.Module) -> str:
+    """The attention implementation ``model``'s config names (``"sdpa"``, :data:`DECODE_ATTENTION`, ...).
+
+    Example:
+        >>> attention_name(model)  # doctest: +SKIP
+        'sdpa'
+    """
+    return str(getattr(model.config, "_attn_implementation", None) or "sdpa")
+
+
 def _configs(module: torch.nn.Module) -> dict[int, Any]:
     """The distinct configs of ``module``'s submodules, by id."""
     return {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None}
