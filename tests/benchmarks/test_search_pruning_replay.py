@@ -9,6 +9,14 @@ from flowopt.benchmarks.perf.search_tasks import Task, dspy_cache_off, metric
 from flowopt.optimizers.search.pruners import Look, get_pruner
 
 
+def _record(incumbent: str, bootstrap: str, labeled: str, tests: tuple[float, float, float]) -> dict:
+    """One seed's three candidates over 40 valset examples (0/1 scores as a string), 5 bootstrap calls."""
+    kinds = [("incumbent", incumbent), ("bootstrap", bootstrap), ("labeled", labeled)]
+    return {"seed": 0, "shape": "demos_only", "calls": 5 + 3 * 40, "candidates": [
+        {"number": i, "kind": kind, "scores": scores, "test": test}
+        for i, ((kind, scores), test) in enumerate(zip(kinds, tests))]}
+
+
 def test_the_default_rule_replayed_gives_the_searchs_own_calls_and_pick():
     import flowopt
 
@@ -30,10 +38,7 @@ def test_the_default_rule_replayed_gives_the_searchs_own_calls_and_pick():
 
 
 def test_no_pruning_is_bfrss_pick_at_bfrss_calls_and_every_rule_is_compared():
-    record = {"seed": 0, "shape": "demos_only", "calls": 5 + 3 * 40, "candidates": [  # 5 bootstrap calls
-        {"number": 0, "kind": "incumbent", "scores": "10" * 20, "test": 0.5},
-        {"number": 1, "kind": "bootstrap", "scores": "1110" * 10, "test": 0.7},
-        {"number": 2, "kind": "labeled", "scores": "0" * 40, "test": 0.1}]}
+    record = _record("10" * 20, "1110" * 10, "0" * 40, (0.5, 0.7, 0.1))
     out = compare([record], lambda: get_pruner("none")())
     assert out["diff"][0] == 0.0 and out["calls_ratio"] == 1.0 and out["best_stopped"] == 0
     stopped = replay(record, get_pruner("confidence")())
@@ -67,10 +72,7 @@ def test_halving_at_optunas_rungs_keeps_the_best_half_whatever_the_order_and_nev
 def test_where_the_calls_go_adds_up_to_the_replayed_calls():
     from flowopt.benchmarks.perf.search_pruning_replay import where_calls_go
 
-    record = {"seed": 0, "shape": "demos_only", "calls": 5 + 3 * 40, "candidates": [
-        {"number": 0, "kind": "incumbent", "scores": "10" * 20, "test": 0.5},
-        {"number": 1, "kind": "bootstrap", "scores": "1110" * 10, "test": 0.7},
-        {"number": 2, "kind": "labeled", "scores": "0" * 40, "test": 0.1}]}
+    record = _record("10" * 20, "1110" * 10, "0" * 40, (0.5, 0.7, 0.1))
     make = RULES["confidence (default)"]
     split = where_calls_go([record], make)
     assert split == {"bootstraps": 5, "incumbent": 40, "pick": 40, "others_full": 0, "stopped": 20}
@@ -80,10 +82,7 @@ def test_where_the_calls_go_adds_up_to_the_replayed_calls():
 def test_race_start_lets_a_rule_stop_the_incumbent_and_counts_only_what_it_scored():
     from flowopt.benchmarks.perf.search_pruning_replay import where_calls_go
 
-    record = {"seed": 0, "shape": "demos_only", "calls": 5 + 3 * 40, "candidates": [
-        {"number": 0, "kind": "incumbent", "scores": "0" * 40, "test": 0.1},
-        {"number": 1, "kind": "bootstrap", "scores": "1110" * 10, "test": 0.7},
-        {"number": 2, "kind": "labeled", "scores": "10" * 20, "test": 0.5}]}
+    record = _record("0" * 40, "1110" * 10, "10" * 20, (0.1, 0.7, 0.5))
     make = RULES["confidence (default)"]
     kept = replay(record, make())
     assert 0 not in kept["stopped"] and kept["scored"][0] == 40  # the search never stops its start
