@@ -57,11 +57,7 @@ class SlotCache:
         window = getattr(config, "sliding_window", None)
         # Models with sliding layers (Gemma 2/3, ...) take one mask per layer type, as a dict.
         self.window: int | None = int(window) if window and "sliding_attention" in types else None
-        from flowopt.lm.attention import DECODE_ATTENTION
-
-        attention = str(getattr(config, "_attn_implementation", "sdpa") or "sdpa")
-        # A compiled step may have pointed the model at flowopt's decode attention, which takes sdpa's masks.
-        self.attention = "sdpa" if attention == DECODE_ATTENTION else attention
+        self.attention = mask_form(str(getattr(config, "_attn_implementation", "sdpa") or "sdpa"))
         param = next(base.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.capacity = 0
@@ -187,6 +183,21 @@ class SlotCache:
         if self.attention not in ("sdpa", "eager"):
             return f"attention implementation {self.attention!r} takes no custom mask (use sdpa or eager)"
         return None
+
+
+def mask_form(attention: str) -> str:
+    """The masks ``attention`` takes, by the mask function transformers registered for it: ``"sdpa"`` (boolean;
+    also flowopt's decode attention, :mod:`flowopt.lm.attention`), ``"eager"`` (additive), else ``attention``
+    itself (no custom mask).
+
+    Example:
+        >>> mask_form("sdpa"), mask_form("eager")
+        ('sdpa', 'eager')
+    """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+
+    function = ALL_MASK_ATTENTION_FUNCTIONS.get(attention)
+    return "sdpa" if function is sdpa_mask else "eager" if function is eager_mask else attention
 
 
 def available_memory(device: Any) -> int | None:
