@@ -119,3 +119,12 @@ def test_a_compiled_exact_decoder_points_the_model_at_it_and_nothing_else_change
     assert later.cache.supported() is None
     assert [s.completion_ids for s in sample(model, tokenizer, prompts, rows, decoder=later)] == \
         [s.completion_ids for s in eager]
+
+
+def test_the_slot_cache_reads_each_attentions_mask_form_from_transformers_registry():
+    from flowopt.lm.attention import register
+    from flowopt.lm.slots import mask_form
+
+    assert mask_form(register()) == "sdpa"  # registered with sdpa's boolean masks
+    assert (mask_form("sdpa"), mask_form("eager")) == ("sdpa", "eager")
+    assert mask_form("flash_attention_2") == "flash_attention_2"  # its own masks: SlotCache.supported refuses it
