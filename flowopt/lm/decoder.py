@@ -226,7 +226,7 @@ class Decoder:
                                         slots=[r.slot for r in rows], end=run.t, pad=self.pad,
                                         width_multiple=self.width_multiple)
             run.rows.extend(rows)
-            self._accept(run, rows, logits, logits.argmax(dim=-1))
+            self._accept(run, rows, logits)  # prefill is eager: choose takes the argmax itself, only if needed
         return True
 
     def _shift(self, run: DecodeRun, by: int) -> None:
@@ -259,7 +259,8 @@ class Decoder:
             self._accept(run, rows, logits[:n], greedy[:n])
         self.stats.record_step(n)
 
-    def _accept(self, run: DecodeRun, rows: Sequence[Row], logits: torch.Tensor, greedy: torch.Tensor) -> None:
+    def _accept(self, run: DecodeRun, rows: Sequence[Row], logits: torch.Tensor,
+                greedy: torch.Tensor | None = None) -> None:
         import torch
 
         uniforms = None
