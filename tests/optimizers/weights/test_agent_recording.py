@@ -104,8 +104,8 @@ def _train(agent_model_dir, root, base, task, tmp_path, seed):
     # 0.97 at its 5th step, 0.09 at the 6th, 0.0 after; a rise of -0.30); with the decay such dips come only in the
     # first 4 steps, and seeds 0-23 all end at >= 0.94 with a rise of 0.42-0.84.
     stage = GRPO(student=local, steps=STEPS, batch_size=4, group_size=8, max_new_tokens=4, learning_rate=5e-2,
-                 lr_schedule="cosine", lora=LoraSettings(r=4, alpha=8), rollout_server=InferenceServer(base, adapter_dir=root / f"s{seed}"),
-                 agent=_agent, plot=False)
+                 lr_schedule="cosine", lora=LoraSettings(r=4, alpha=8),
+                 rollout_server=InferenceServer(base, adapter_dir=root / f"s{seed}"), agent=_agent, plot=False)
     try:
         stage.run(dspy.Module(), ctx)
     finally:
