@@ -15,6 +15,7 @@ from typing import Any
 
 from flowopt.errors import LMError
 from flowopt.lm.sampling import RowSettings, Sample
+from flowopt.lm.server_http import server_client
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +45,9 @@ class LoraServer:
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
                  http: Any = None) -> None:
-        import httpx
-
         self.base_url = base_url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = http if http is not None else httpx.Client(base_url=self.base_url, headers=headers,
-                                                                timeout=timeout_s)
+        self._http = http if http is not None else server_client(self.base_url, api_key=api_key,
+                                                                 timeout_s=timeout_s)
 
     def close(self) -> None:
         self._http.close()

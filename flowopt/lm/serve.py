@@ -60,6 +60,7 @@ from flowopt.lm.serve_schema import (
     UnloadLoraRequest,
 )
 from flowopt.lm.serve_stream import StreamJob, new_id, now, stream_rows
+from flowopt.lm.server_http import SERVER_KEEPALIVE_S
 
 if TYPE_CHECKING:
     from flowopt.lm.local import LocalLM
@@ -379,6 +380,9 @@ def _parser() -> argparse.ArgumentParser:
                              "(flowopt.lm.serve_record)")
     parser.add_argument("--shutdown-timeout", type=int, default=10,
                         help="seconds requests in flight get to finish after SIGTERM/Ctrl-C (default 10)")
+    parser.add_argument("--keep-alive", type=int, default=SERVER_KEEPALIVE_S,
+                        help=f"seconds an idle connection stays open (default {SERVER_KEEPALIVE_S}: longer than "
+                             "clients keep theirs, so none reuses one the server is closing)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -404,6 +408,9 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     if options.lora_root and not Path(options.lora_root).is_dir():
         logger.error("--lora-root %s is not a folder; create it first", options.lora_root)
         return 2
+    if options.keep_alive < 1:
+        logger.error("--keep-alive must be >= 1 second, got %d", options.keep_alive)
+        return 2
     if options.max_loras < 1:
         logger.error("--max-loras must be >= 1, got %d", options.max_loras)
         return 2
@@ -421,7 +428,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
                      recorder=RolloutRecorder() if options.record_rollouts else None)
     logger.info("serving %r at http://%s:%d/v1", options.name or local.name, options.host, options.port)
     return serve(app, host=options.host, port=options.port, log_level=options.log_level,
-                 shutdown_timeout=options.shutdown_timeout)
+                 shutdown_timeout=options.shutdown_timeout, keep_alive=options.keep_alive)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ import uvicorn
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from flowopt.lm.server_http import SERVER_KEEPALIVE_S
+
 logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's status for "client closed request": logged, never seen by the client
@@ -105,10 +107,15 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(app: Any, *, host: str, port: int, log_level: str, shutdown_timeout: int) -> int:
-    """Serve ``app`` until a stop signal; returns the exit status (see :class:`GracefulServer`)."""
+def serve(app: Any, *, host: str, port: int, log_level: str, shutdown_timeout: int,
+          keep_alive: int = SERVER_KEEPALIVE_S) -> int:
+    """Serve ``app`` until a stop signal; returns the exit status (see :class:`GracefulServer`).
+
+    An idle connection stays open ``keep_alive`` seconds, longer than clients keep theirs, so a client
+    never reuses one just as the server closes it (:mod:`flowopt.lm.server_http`)."""
     server = GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=shutdown_timeout))
+                                           timeout_graceful_shutdown=shutdown_timeout,
+                                           timeout_keep_alive=keep_alive))
     server.run()
     if server.stop_signal is not None:
         logger.info("stopped by %s", signal.Signals(server.stop_signal).name)

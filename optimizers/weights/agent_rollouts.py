@@ -26,6 +26,7 @@ from typing import Any
 
 from flowopt.errors import LMError
 from flowopt.lm.serve_record import ROLLOUT_HEADER
+from flowopt.lm.server_http import server_client
 from flowopt.optimizers.weights.rollout import Rollout, Transition
 from flowopt.optimizers.weights.served import ServedRollouts
 
@@ -71,14 +72,11 @@ class AgentRollouts:
     """
 
     def __init__(self, served: ServedRollouts, agent: Agent, *, format_penalty: float, temperature: float) -> None:
-        import httpx
-
         option = served.option
         key = os.environ.get(option.api_key_env) if option.api_key_env else None  # checked by option.connect()
         self.served, self.agent, self.format_penalty, self.temperature = served, agent, format_penalty, temperature
         self.base_url = option.url.rstrip("/")
-        self.http = httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {key}"} if key else {},
-                                 timeout=option.timeout_s)
+        self.http = server_client(self.base_url, api_key=key, timeout_s=option.timeout_s)
 
     def close(self) -> None:
         """Clear the server's policy (its adapter is unloaded next), so later requests sample as they ask."""

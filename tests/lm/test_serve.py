@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -76,6 +79,31 @@ def test_bad_requests_get_openai_style_errors(server):
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     status, body = _post(f"{server}/chat/completions", {"model": "gpt-4o", "messages": MESSAGES})
     assert status == 404 and body["error"]["code"] == "model_not_found" and "gpt-4o" in body["error"]["message"]
+
+
+def test_an_idle_connection_stays_open_past_the_five_seconds_clients_keep_theirs(server):
+    """uvicorn's default closes it at 5 s, when httpx and OpenAI's client may still reuse it: a request sent
+    then failed in CI with "Server disconnected without sending a response" (flowopt.lm.server_http)."""
+    url = urllib.parse.urlsplit(server)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    try:
+        for wait in (0.0, 5.5):
+            time.sleep(wait)
+            connection.request("GET", f"{url.path}/models")
+            response = connection.getresponse()
+            assert response.status == 200 and json.loads(response.read())["data"]
+            if not wait:
+                first = connection.sock.getsockname()
+        assert connection.sock.getsockname() == first  # the same connection answered after 5.5 s idle
+    finally:
+        connection.close()
+
+
+def test_cli_refuses_a_keep_alive_under_one_second(tmp_path, caplog):
+    from flowopt.lm.serve import cli_main
+
+    assert cli_main(["serve", str(tmp_path), "--port", "1", "--keep-alive", "0"]) == 2
+    assert "--keep-alive must be >= 1 second" in caplog.text
 
 
 def test_cli_reports_a_missing_model_with_exit_status_2(tmp_path):
