@@ -19,6 +19,7 @@ from flowopt.lm.sampling import RowSettings
 from flowopt.lm.serve import create_app
 from flowopt.lm.serve_schema import MAX_BODY_BYTES
 from flowopt.lm.serve_stream import HeldBackText
+from flowopt.lm.server_http import SERVER_KEEPALIVE_S
 from flowopt.ports import free_port
 from tests.lm.conftest import serve_in_thread
 
@@ -30,7 +31,7 @@ def base_url(tiny_local):
     import uvicorn
 
     config = uvicorn.Config(create_app(tiny_local, model_name="tiny"), host="127.0.0.1", port=free_port(),
-                            log_level="warning")
+                            log_level="warning", timeout_keep_alive=SERVER_KEEPALIVE_S)  # as flowopt serve
     with serve_in_thread(uvicorn.Server(config)) as base:
         yield base
 
