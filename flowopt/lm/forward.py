@@ -30,7 +30,8 @@ class Halves:
     def vocab_size(self) -> int:
         return int(self.head.weight.shape[0])
 
-    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *,
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | dict[str, torch.Tensor],
+               position_ids: torch.Tensor, *,
                cache: Any = None, use_cache: bool = False) -> tuple[torch.Tensor, Any]:
         """Last hidden states ``[N, T, H]`` and the KV cache (None without ``use_cache``)."""
         kwargs: dict[str, Any] = {}

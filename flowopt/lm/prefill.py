@@ -116,8 +116,7 @@ def prefill_into_slots(parts: Halves, cache: SlotCache, prompts: Sequence[Sequen
     masks = packed_masks(segments, cache.window)
     typed = {k: cache.typed(v) for k, v in masks.items()} if isinstance(masks, dict) else cache.typed(masks)
     # A cache without a config has only full-length layers: sliding-window ones would keep just their window.
-    hidden, past = parts.hidden(packed.ids.to(device), typed, positions,  # type: ignore[arg-type]
-                                cache=DynamicCache(), use_cache=True)
+    hidden, past = parts.hidden(packed.ids.to(device), typed, positions, cache=DynamicCache(), use_cache=True)
     # Every prompt column goes to its prompt's slot, at the column its position has counting back from ``end``.
     source = (segments >= 0).nonzero(as_tuple=True)
     prompt = segments[source]

@@ -57,7 +57,8 @@ class SlotCache:
         window = getattr(config, "sliding_window", None)
         # Models with sliding layers (Gemma 2/3, ...) take one mask per layer type, as a dict.
         self.window: int | None = int(window) if window and "sliding_attention" in types else None
-        self.attention = mask_form(str(getattr(config, "_attn_implementation", "sdpa") or "sdpa"))
+        self.attention = str(getattr(config, "_attn_implementation", "sdpa") or "sdpa")
+        self.mask_kind = mask_form(self.attention)  # "sdpa" (boolean), "eager" (additive) or the name (none taken)
         param = next(base.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.capacity = 0
@@ -173,14 +174,14 @@ class SlotCache:
         """``mask`` (boolean) as the attention implementation takes it: as is, or additive for eager."""
         import torch
 
-        if self.attention == "eager":  # eager attention adds its mask to the scores
+        if self.mask_kind == "eager":  # eager attention adds its mask to the scores
             zero = torch.zeros((), dtype=self.dtype, device=self.device)
             return torch.where(mask, zero, torch.finfo(self.dtype).min)
         return mask
 
     def supported(self) -> str | None:
         """Why this model cannot decode from slots, or None when it can."""
-        if self.attention not in ("sdpa", "eager"):
+        if self.mask_kind not in ("sdpa", "eager"):
             return f"attention implementation {self.attention!r} takes no custom mask (use sdpa or eager)"
         return None
 
