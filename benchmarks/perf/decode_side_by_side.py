@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [local.render(t) for t in gsm8k_prompts(max(max(callers), 4, args.agreement))]
         plain = sdpa = None
         if "local-compiled-sdpa" in impls:  # its own weights: a compiled step switches its model's attention
-            plain = load(args.model, args.device, args.dtype, Path(tmp))
+            plain = load(args.model, args.device, args.dtype, Path(tmp) / "sdpa")  # not over the loaded one's files
             sdpa = LocalLM.from_model(plain.model, plain.tokenizer, name="compiled-sdpa", max_new_tokens=args.tokens,
                                       batch_wait_ms=5, compile=True)
             sdpa.compile_settings = dataclasses.replace(sdpa.compile_settings, decode_attention=False)

@@ -222,9 +222,9 @@ def replay(record: dict[str, Any], rule: Pruner, threads: int = 8, race_start: b
 
 def where_calls_go(records: list[dict[str, Any]], make: Callable[[], Pruner],
                    race_start: bool = False) -> dict[str, float]:
-    """A rule's mean LM calls a seed, split: bootstraps (every rule pays them), the incumbent (never pruned;
-    the compiler scores it on the whole valset as its baseline anyway), the pick, the other fully scored
-    candidates, and the stopped ones."""
+    """A rule's mean LM calls a seed, split: bootstraps (every rule pays them), the incumbent (never pruned
+    unless ``race_start``; the compiler scores it on the whole valset as its baseline anyway), the pick, the
+    other fully scored candidates, and the stopped ones."""
     parts: dict[str, list[float]] = {k: [] for k in ("bootstraps", "incumbent", "pick", "others_full", "stopped")}
     for record in records:
         out = replay(record, make(), race_start=race_start)
